@@ -1,0 +1,63 @@
+"""Engine configuration: plain dataclasses, validated once, passed explicitly everywhere."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # The KV cache is sized from a memory budget: explicit bytes, or a fraction of the memory
+    # available when the engine starts (never more than max_num_seqs full-length requests need).
+    kv_cache_bytes: int | None = None
+    memory_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0 < self.memory_fraction <= 0.95:
+            raise ValueError(f"memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048   # per-step token budget (chunked prefill above it)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None             # HF folder or GGUF file; None = the embedded default
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_model_len: int | None = None     # None: the model's own limit, capped at 8192
+    seed: int = 0
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
+        if self.model is not None and not os.path.exists(self.model):
+            raise FileNotFoundError(f"model path {self.model!r} does not exist")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,147 @@
+"""The engine loop: schedule -> execute -> commit, plus request intake, abort and outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.engine.block_manager import BlockManager
+from dspark.engine.output_processor import OutputProcessor
+from dspark.engine.scheduler import Scheduler, SchedulerOutput
+from dspark.engine.sequence import Sequence
+from dspark.models.loader import load_target
+from dspark.outputs import RequestOutput
+from dspark.sampling_params import SamplingParams
+from dspark.worker.inputs import RequestChunk
+from dspark.worker.kv_cache import num_blocks_for_budget
+from dspark.worker.worker import Worker, WorkerBatch
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        loaded = load_target(config.model, config.torch_dtype, device=config.device,
+                             max_positions=config.max_model_len or 8192)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or 8192, loaded.config.max_position_embeddings)
+        cache = config.cache
+        needed = config.scheduler.max_num_seqs * (self.max_model_len + cache.block_size)
+        num_blocks = num_blocks_for_budget(loaded.config, cache, config.torch_dtype, self.device, needed)
+        if num_blocks * cache.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache budget holds {num_blocks * cache.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; raise the budget or lower max_model_len")
+        self.block_manager = BlockManager(num_blocks, cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.worker = Worker(loaded.model, loaded.config, num_blocks, cache.block_size,
+                             config.torch_dtype, self.device)
+        eos = list(loaded.config.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
+        if self.tokenizer is not None:
+            eos = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
+        self.eos_token_ids = eos
+        self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._encode(prompt)
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than the context allows "
+                             f"(max_model_len={self.max_model_len}, at least one token to generate)")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, ids, params, prompt=text, arrival_time=arrival_time)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError("a prompt is a string or a list of token ids")
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.output_processor.release(seq)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        batch = self._worker_batch(sched)
+        tokens = self.worker.execute(batch)
+        return self._commit(sched, tokens)
+
+    def _worker_batch(self, sched: SchedulerOutput) -> WorkerBatch:
+        chunks, params, gens = [], [], []
+        for s in sched.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            ids = [seq.token_at(p) for p in range(start, start + s.num_new_tokens)]
+            chunks.append(RequestChunk(ids, start, seq.block_table, 1 if s.sample else 0))
+            if s.sample:
+                params.append(seq.params)
+                gens.append(seq.generator)
+        return WorkerBatch(chunks, params, gens)
+
+    def _commit(self, sched: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+        outputs, it, now = [], iter(tokens), time.perf_counter()
+        for s in sched.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if not s.sample:
+                continue
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            reason = self.output_processor.append(seq, [next(it)])
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.output_processor.release(seq)
+        self.requests.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new_text = seq.output_text[seq.sent_text_len:]
+        new_ids = seq.output_token_ids[seq.sent_token_len:]
+        seq.sent_text_len, seq.sent_token_len = len(seq.output_text), seq.num_output_tokens
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            text=seq.output_text, token_ids=list(seq.output_token_ids), finished=seq.is_finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, metrics=seq.metrics,
+            spec=seq.spec, new_text=new_text, new_token_ids=new_ids)

@@ -1,0 +1,71 @@
+"""Appending sampled tokens to a request: incremental detokenization and every stop condition.
+
+Tokens are appended one at a time, so a step that commits several (speculative decoding) stops
+exactly at the first token that ends the request and drops the rest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dspark.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from dspark.tokenizer import Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: list[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._offsets: dict[str, tuple[int, int]] = {}
+
+    def append(self, seq: Sequence, tokens: list[int]) -> str | None:
+        """Append tokens until one finishes the request; return the finish reason or None."""
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            reason = self._check_token(seq, token)
+            if self.tokenizer is not None:
+                before = len(seq.output_text)
+                self._detokenize(seq)
+                reason = self._check_stop_strings(seq, before) or reason
+            if reason is not None:
+                return reason
+        return None
+
+    def release(self, seq: Sequence) -> None:
+        self._offsets.pop(seq.request_id, None)
+
+    def _check_token(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if not params.ignore_eos and token in self.eos_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _detokenize(self, seq: Sequence) -> None:
+        """Decode only the tail since the last complete character (prefix/read offsets)."""
+        prefix, read = self._offsets.get(seq.request_id, (0, 0))
+        ids = seq.output_token_ids
+        skip = seq.params.skip_special_tokens
+        prefix_text = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
+        full_text = self.tokenizer.decode(ids[prefix:], skip_special_tokens=skip)
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            seq.output_text += full_text[len(prefix_text):]
+            self._offsets[seq.request_id] = (read, len(ids))
+
+    def _check_stop_strings(self, seq: Sequence, before: int) -> str | None:
+        for stop in seq.params.stop:
+            start = max(0, before - len(stop) + 1)
+            index = seq.output_text.find(stop, start)
+            if index >= 0:
+                seq.output_text = seq.output_text[:index]
+                seq.stop_reason = stop
+                return "stop"
+        return None

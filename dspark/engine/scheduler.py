@@ -1,0 +1,126 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+Every step is one mixed batch: running requests first (a decode token, or the next chunk of a
+prefill), then waiting requests while budget, sequence slots and KV blocks last.  When a running
+request cannot grow, the most recently admitted one is preempted by recompute: its blocks are
+freed and it re-enters the queue at the front, to be prefilled again over prompt + output.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from dspark.config import SchedulerConfig
+from dspark.engine.block_manager import BlockManager
+from dspark.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    seq: Sequence
+    num_new_tokens: int            # tokens whose KV this step computes
+    sample: bool                   # the chunk reaches the end of the known tokens: sample after it
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lookahead: int = 0):
+        self.config = config
+        self.block_manager = block_manager
+        self.lookahead = lookahead     # extra slots a step may write past the known tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue            # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow_or_preempt(seq, n, out):
+                continue
+            out.scheduled.append(self._scheduled(seq, n))
+            budget -= n
+        self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.ensure(seq.block_table, seq.num_computed_tokens + n + self._extra(seq, n)):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+            self.running.append(seq)
+            out.scheduled.append(self._scheduled(seq, n))
+            budget -= n
+
+    def _extra(self, seq: Sequence, n: int) -> int:
+        """Lookahead slots are reserved only when the step finishes the known tokens."""
+        return self.lookahead if seq.num_computed_tokens + n == seq.num_tokens else 0
+
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledRequest:
+        return ScheduledRequest(seq, n, sample=seq.num_computed_tokens + n == seq.num_tokens)
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        need = seq.num_computed_tokens + n + self._extra(seq, n)
+        while not self.block_manager.ensure(seq.block_table, need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        logger.debug("preempted %s (recompute)", seq.request_id)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finished or aborted: release the KV blocks at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.metrics.finished_time = time.perf_counter()

@@ -1,0 +1,63 @@
+"""The offline API: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Sequence as Seq
+
+from tqdm import tqdm
+
+from dspark.config import CacheConfig, EngineConfig, SchedulerConfig
+from dspark.engine.engine import Engine
+from dspark.outputs import RequestOutput
+from dspark.sampling_params import SamplingParams
+
+
+class LLM:
+    """Completes raw prompts (no chat template); one RequestOutput per prompt, in order."""
+
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", **kwargs):
+        self.engine = Engine(build_config(model=model, dtype=dtype, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], params)[0]
+
+
+def build_config(**kwargs) -> EngineConfig:
+    """Route flat keyword arguments to the engine, cache and scheduler sections."""
+    sections = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+    picked: dict[str, dict] = {name: {} for name in sections}
+    top = {}
+    for key, value in kwargs.items():
+        owner = next((n for n, cls in sections.items() if key in {f.name for f in fields(cls)}), None)
+        if owner is not None:
+            picked[owner][key] = value
+        elif key in {f.name for f in fields(EngineConfig)}:
+            top[key] = value
+        else:
+            raise TypeError(f"unknown engine argument {key!r}")
+    return EngineConfig(**top, **{n: cls(**picked[n]) for n, cls in sections.items()})

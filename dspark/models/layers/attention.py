@@ -1,0 +1,53 @@
+"""Attention over a paged KV cache, for any mix of prefill chunks and decode/verify rows.
+
+Tokens arrive flat (the ragged layout: T tokens of R requests, request r owning rows
+qo_indptr[r]:qo_indptr[r+1]).  Each layer writes its new K/V through the slot mapping, gathers
+every request's context from its pages into a padded [R, L] view and runs one masked SDPA call.
+The metadata is built once per step on the host and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    max_q: int                            # longest query of the step
+    write_rows: torch.Tensor | None       # [W] token rows whose K/V are stored (None: all rows)
+    write_slots: torch.Tensor             # [W] cache slots they go to (slot -1 rows are dropped)
+    gather_slots: torch.Tensor            # [R, L] cache slots of each request's keys, padded
+    q_index: torch.Tensor | None          # [T] row of each token in the padded [R*max_q] query
+    mask: torch.Tensor | None             # [R, 1, max_q, L] True = attend; None = attend all
+    is_causal: bool = False               # single request, fresh prefill: plain causal SDPA
+
+
+def write_kv(cache: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor,
+             new: torch.Tensor) -> None:
+    """cache [S, KVH, D]; new [T, KVH, D]."""
+    if slots.numel() == 0:
+        return
+    cache.index_copy_(0, slots, new if rows is None else new.index_select(0, rows))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> out [T, H*D]; the new K/V must already be in the cache."""
+    t, h, d = q.shape
+    r, lmax = meta.gather_slots.shape
+    keys = k_cache[meta.gather_slots].transpose(1, 2)     # [R, KVH, L, D]
+    values = v_cache[meta.gather_slots].transpose(1, 2)   # [R, KVH, L, D]
+    if meta.q_index is None:
+        qp = q.view(r, meta.max_q, h, d)
+    else:
+        qp = q.new_zeros(r * meta.max_q, h, d).index_copy_(0, meta.q_index, q)
+        qp = qp.view(r, meta.max_q, h, d)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), keys, values, attn_mask=meta.mask, is_causal=meta.is_causal,
+        scale=scale, enable_gqa=keys.shape[1] != h)       # [R, H, Q, D]
+    out = out.transpose(1, 2).reshape(r * meta.max_q, h * d)
+    return out if meta.q_index is None else out.index_select(0, meta.q_index)

@@ -1,0 +1,162 @@
+"""The decoder-only target: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+
+The families differ only in a few flags of ModelConfig, so one module serves all of them.  Q/K/V
+and gate/up are stored fused (one matmul each) because at batch 1 on a CPU the step is a chain of
+small GEMVs and every launch counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.layers.attention import AttentionMetadata, paged_attention, write_kv
+from dspark.models.layers.norm import RMSNorm
+from dspark.models.layers.rotary import RotaryEmbedding, apply_rotary
+from dspark.models.model_config import ModelConfig
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                 # [N, V] fp32, rows picked by logits_indices
+    aux_hidden: torch.Tensor | None      # [T, len(aux_layer_ids) * hidden] or None
+    last_hidden: torch.Tensor | None     # [N, hidden] final-normed hidden of the logits rows
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_kv(kv[0], meta.write_rows, meta.write_slots, k)
+        write_kv(kv[1], meta.write_rows, meta.write_slots, v)
+        return self.o_proj(paged_attention(q, kv[0], kv[1], meta, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
+                aux_layer_ids: tuple[int, ...] = (), return_hidden: bool = False) -> ModelOutput:
+        """input_ids/positions [T]; logits only for rows logits_indices [N]."""
+        x = self.embed_tokens(input_ids)                          # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_caches[i], meta)
+            if i in aux_layer_ids:
+                aux.append(x)
+        h = self.norm(x.index_select(0, logits_indices))          # [N, hidden]
+        logits = self.lm_head(h).float()                           # [N, V]
+        return ModelOutput(logits=logits, aux_hidden=torch.cat(aux, -1) if aux else None,
+                           last_hidden=h if return_hidden else None)
+
+    def load_weights(self, weights) -> None:
+        """Load Hugging Face named tensors, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in fused:
+                fused_name, shard = fused[parts[-2]]
+                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+            _copy_shard(params[target], tensor, shard, self._shard_sizes(parts[-2] if shard is not None else ""))
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        self._check_complete(params, loaded)
+
+    def _shard_sizes(self, proj: str) -> list[int]:
+        cfg = self.config
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        return [cfg.intermediate_size] * 2
+
+    def _check_complete(self, params: dict, loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
+                n = 2 if "gate_up" in name else 3
+                missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, sizes: list[int]) -> None:
+    with torch.no_grad():
+        if shard is None:
+            dst = param
+        else:
+            start = sum(sizes[:shard])
+            dst = param.narrow(0, start, sizes[shard])
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight shape {tuple(tensor.shape)} does not match {tuple(dst.shape)}")
+        dst.copy_(tensor.to(dst.dtype))

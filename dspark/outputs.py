@@ -1,0 +1,53 @@
+"""What the engine hands back: finished (or streaming) requests and their timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def tpot(self, num_output_tokens: int) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding counters (drafted / verified / accepted); zero for plain decoding."""
+    draft_rounds: int = 0
+    drafted_tokens: int = 0
+    verified_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None          # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None      # the stop string or stop token id that ended it
+    metrics: RequestMetrics
+    spec: SpecStats = field(default_factory=SpecStats)
+    new_text: str = ""                 # text added since the previous output (streaming)
+    new_token_ids: list[int] = field(default_factory=list)

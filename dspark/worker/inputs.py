@@ -1,0 +1,101 @@
+"""Scheduled requests -> flat (ragged) model inputs and the attention metadata of one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.models.layers.attention import AttentionMetadata
+
+
+@dataclass
+class RequestChunk:
+    """One request's share of a step, as the worker needs it."""
+    token_ids: list[int]        # the new tokens whose KV this step writes
+    start: int                  # position of token_ids[0] (= tokens already in the cache)
+    block_table: list[int]
+    num_logits: int             # logits rows wanted, taken from the end of the chunk (0: none)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor          # [T]
+    positions: torch.Tensor          # [T]
+    qo_indptr: torch.Tensor          # [R+1] query offsets of each request
+    logits_indices: torch.Tensor     # [N] rows whose logits are computed
+    attn: AttentionMetadata
+
+
+def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.device,
+                 sliding_window: int | None = None) -> StepInputs:
+    q_lens = [len(c.token_ids) for c in chunks]
+    starts = [c.start for c in chunks]
+    ctx_lens = [s + q for s, q in zip(starts, q_lens)]
+    ids = [t for c in chunks for t in c.token_ids]
+    positions = [c.start + j for c in chunks for j in range(len(c.token_ids))]
+    indptr = [0]
+    for q in q_lens:
+        indptr.append(indptr[-1] + q)
+    logits = [i for c, end in zip(chunks, indptr[1:]) for i in range(end - c.num_logits, end)]
+    tables = _padded_tables(chunks)
+    pos_t = torch.tensor(positions, dtype=torch.long)
+    req_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens))
+    blocks = tables[req_of_token, pos_t // block_size]
+    slots = torch.where(blocks < 0, -1, blocks * block_size + pos_t % block_size)   # -1: no write
+    attn = _metadata(q_lens, starts, ctx_lens, tables, slots, block_size, sliding_window)
+    to = lambda x: torch.as_tensor(x, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
+    attn = AttentionMetadata(
+        num_reqs=attn.num_reqs, max_q=attn.max_q,
+        write_rows=None if attn.write_rows is None else to(attn.write_rows),
+        write_slots=to(attn.write_slots), gather_slots=to(attn.gather_slots),
+        q_index=None if attn.q_index is None else to(attn.q_index),
+        mask=None if attn.mask is None else attn.mask.to(device), is_causal=attn.is_causal)
+    return StepInputs(input_ids=to(ids), positions=to(positions), qo_indptr=to(indptr),
+                      logits_indices=to(logits), attn=attn)
+
+
+def _padded_tables(chunks: list[RequestChunk]) -> torch.Tensor:
+    width = max(len(c.block_table) for c in chunks)
+    out = torch.zeros(len(chunks), max(width, 1), dtype=torch.long)
+    for r, c in enumerate(chunks):
+        out[r, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
+    return out
+
+
+def _metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables: torch.Tensor,
+              slots: torch.Tensor, block_size: int, window: int | None) -> AttentionMetadata:
+    r, max_q, max_ctx = len(q_lens), max(q_lens), max(ctx_lens)
+    key_pos = torch.arange(max_ctx)
+    gather = tables[:, key_pos // block_size] * block_size + key_pos % block_size   # [R, L]
+    ctx = torch.tensor(ctx_lens)
+    gather = torch.where(key_pos[None, :] < ctx[:, None], gather, gather[:, :1])
+    uniform = all(q == max_q for q in q_lens)
+    q_index = None
+    if not uniform:
+        q_index = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(q_lens)])
+    windowed = window is not None and max_ctx > window
+    mask, causal = None, False
+    if r == 1 and starts[0] == 0 and max_q > 1 and not windowed:
+        causal = True
+    elif windowed or max_q > 1 or any(c != max_ctx for c in ctx_lens):
+        mask = _mask(q_lens, starts, max_q, max_ctx, window)
+    valid = slots >= 0
+    all_valid = bool(valid.all())
+    return AttentionMetadata(
+        num_reqs=r, max_q=max_q,
+        write_rows=None if all_valid else valid.nonzero().flatten(),
+        write_slots=slots if all_valid else slots[valid],
+        gather_slots=gather, q_index=q_index, mask=mask, is_causal=causal)
+
+
+def _mask(q_lens, starts, max_q, max_ctx, window) -> torch.Tensor:
+    q_pos = torch.tensor(starts)[:, None] + torch.arange(max_q)[None, :]          # [R, Q]
+    key_pos = torch.arange(max_ctx)[None, None, :]                                 # [1, 1, L]
+    mask = key_pos <= q_pos[:, :, None]                                            # [R, Q, L]
+    if window is not None:
+        mask &= key_pos > q_pos[:, :, None] - window
+    padded_q = torch.arange(max_q)[None, :] >= torch.tensor(q_lens)[:, None]       # [R, Q]
+    mask[padded_q] = False
+    mask[..., 0] |= padded_q            # padded query rows attend one key: no NaN rows
+    return mask[:, None]

@@ -1,0 +1,48 @@
+"""The paged KV cache tensors, sized from a memory budget."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from dspark.config import CacheConfig
+from dspark.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_blocks_for_budget(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+                          device: torch.device, max_tokens_needed: int) -> int:
+    """Blocks that fit the budget, capped at what `max_tokens_needed` concurrent tokens use."""
+    per_block = bytes_per_block(cfg, cache.block_size, dtype)
+    budget = cache.kv_cache_bytes
+    if budget is None:
+        budget = int(available_memory(device) * cache.memory_fraction)
+    blocks = budget // per_block
+    cap = -(-max_tokens_needed // cache.block_size)
+    blocks = min(blocks, cap)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, cache.block_size,
+                blocks * per_block / 2**20)
+    return int(blocks)
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V), each [num_blocks * block_size, kv_heads, head_dim]."""
+    shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)]

@@ -1,0 +1,88 @@
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Everything stays on the device; the caller copies the chosen tokens to the host once per step.
+Sampling uses the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p and
+lets a seeded request draw its noise from its own generator, independent of batch composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor              # [N] (1.0 on greedy rows)
+    top_k: torch.Tensor | None             # [N] int, V where disabled; None if no row uses it
+    top_p: torch.Tensor | None             # [N]
+    min_p: torch.Tensor | None             # [N]
+    greedy: torch.Tensor                   # [N] bool
+    all_greedy: bool
+    generators: list[torch.Generator | None]
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+              vocab_size: int, device: torch.device) -> "SamplingTensors":
+        greedy = [p.greedy for p in params]
+        t = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device, non_blocking=True)  # noqa: E731
+        use_k = any(p.top_k > 0 and not p.greedy for p in params)
+        use_p = any(p.top_p < 1 and not p.greedy for p in params)
+        use_min_p = any(p.min_p > 0 and not p.greedy for p in params)
+        return cls(
+            temperature=t([1.0 if p.greedy else p.temperature for p in params], torch.float32),
+            top_k=t([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.long) if use_k else None,
+            top_p=t([p.top_p for p in params], torch.float32) if use_p else None,
+            min_p=t([p.min_p for p in params], torch.float32) if use_min_p else None,
+            greedy=t(greedy, torch.bool), all_greedy=all(greedy), generators=generators)
+
+
+def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The distribution a request samples from after temperature and truncation: [N, V]."""
+    logits = logits / st.temperature[:, None]
+    if st.top_k is not None or st.top_p is not None:
+        logits = _top_k_top_p(logits, st.top_k, st.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if st.min_p is not None:
+        keep = probs >= st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(keep, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        drop |= ranks >= top_k[:, None]
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs        # mass strictly above each token
+        drop |= before >= top_p[:, None]             # the first token is always kept
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
+                      device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [N, V]; seeded rows draw from their own generator."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row] = torch.empty(shape[1], device=gen.device).exponential_(generator=gen).to(device)
+    return noise
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits [N, V] fp32 -> tokens [N] (on the device)."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy_tokens
+    probs = processed_probs(logits, st)
+    noise = exponential_noise(tuple(probs.shape), st.generators, logits.device)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(st.greedy, greedy_tokens, sampled)
