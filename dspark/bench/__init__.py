@@ -1,0 +1,23 @@
+"""Benchmark harnesses behind `dspark bench`; each prints a table and ends with one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+
+MODES = ("plain",)
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=MODES, default="plain")
+    p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--batch1-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    if args.mode == "plain":
+        from dspark.bench.plain import run_plain_bench
+        run_plain_bench(args)

@@ -1,0 +1,30 @@
+"""Memory-bandwidth roofline: how close a batch-1 decode step comes to reading the weights once."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
+    """Bytes/s of a streaming fp32 sum over a buffer far larger than the caches (median)."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step must read: every distinct parameter (tied weights counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

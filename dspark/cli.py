@@ -1,0 +1,134 @@
+"""The `dspark` command line: generate | chat | demo | bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from dspark.sampling_params import SamplingParams
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache memory budget in bytes")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _llm(args):
+    from dspark.llm import LLM
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads)
+
+
+def _params(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                          stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args) -> None:
+    prompts = args.prompt or [sys.stdin.read()]
+    params = _params(args)
+    llm = _llm(args)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    elapsed = time.perf_counter() - start
+    for out in outs:
+        print(out.prompt + out.text if args.echo else out.text)
+        print(f"[{len(out.token_ids)} tokens, finish={out.finish_reason}]", file=sys.stderr)
+    total = sum(len(o.token_ids) for o in outs)
+    print(f"[{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s]", file=sys.stderr)
+
+
+def cmd_chat(args) -> None:
+    llm = _llm(args)
+    params = _params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except EOFError:
+            break
+        if not line:
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.strip()})
+        reply = llm.chat(messages, params).text
+        messages.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+
+
+def cmd_demo(args) -> None:
+    from dspark.bench.demo import run_demo
+    run_demo(args)
+
+
+def cmd_bench(args) -> None:
+    from dspark.bench import run_bench
+    run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete raw prompts (no chat template)")
+    _engine_args(p)
+    _sampling_args(p)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: stdin")
+    p.add_argument("--echo", action="store_true", help="print the prompt before its completion")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with the model (its chat template applied)")
+    _engine_args(p)
+    _sampling_args(p, max_tokens=256)
+    p.add_argument("--system", default=None, help="system message")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("demo", help="the embedded model on a few prompts, with speeds")
+    _engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmarks (see dspark/bench)")
+    _engine_args(p)
+    from dspark.bench import add_bench_args
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"dspark: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Sampler: each truncation against a hand computation, and the sampled distribution itself."""
+
+import math
+
+import pytest
+import torch
+
+from dspark.sampling_params import SamplingParams
+from dspark.worker.sampler import SamplingTensors, processed_probs, sample
+
+
+def tensors(params, gens=None, vocab=5):
+    return SamplingTensors.build(params, gens or [None] * len(params), vocab, torch.device("cpu"))
+
+
+LOGITS = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(7, 50)
+    st = SamplingTensors.build([SamplingParams(temperature=0)] * 7, [None] * 7, 50, torch.device("cpu"))
+    assert torch.equal(sample(logits, st), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(top_k=2), [0.4 / 0.7, 0.3 / 0.7, 0, 0, 0]),
+    (dict(top_p=0.7), [0.4 / 0.7, 0.3 / 0.7, 0, 0, 0]),
+    (dict(top_p=0.71), [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0]),
+    (dict(min_p=0.3), [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0]),
+    (dict(top_k=3, top_p=0.5), [0.4 / 0.7, 0.3 / 0.7, 0, 0, 0]),
+])
+def test_truncation_matches_hand_computation(kwargs, expected):
+    probs = processed_probs(LOGITS, tensors([SamplingParams(temperature=1.0, **kwargs)]))
+    assert torch.allclose(probs[0], torch.tensor(expected), atol=1e-6)
+
+
+def test_temperature_scales_logits():
+    probs = processed_probs(LOGITS, tensors([SamplingParams(temperature=0.5)]))
+    ref = torch.softmax(LOGITS[0] / 0.5, -1)
+    assert torch.allclose(probs[0], ref, atol=1e-6)
+
+
+def test_empirical_distribution_matches():
+    n = 20000
+    logits = LOGITS.expand(n, 5).contiguous()
+    st = tensors([SamplingParams(temperature=1.0)] * n)
+    counts = torch.bincount(sample(logits, st), minlength=5).float() / n
+    tv = 0.5 * (counts - torch.exp(LOGITS[0])).abs().sum().item()
+    # 5 categories: E[TV] <= 0.5 * sum sqrt(p(1-p)/n); allow 4x that
+    bound = 4 * 0.5 * sum(math.sqrt(p * (1 - p) / n) for p in torch.exp(LOGITS[0]).tolist())
+    assert tv < bound, (tv, bound)
+
+
+def test_seeded_rows_are_reproducible_and_mixed_batches_work():
+    logits = torch.randn(3, 40)
+    def draw():
+        gens = [torch.Generator().manual_seed(5), None, torch.Generator().manual_seed(9)]
+        params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0),
+                  SamplingParams(temperature=1.0, seed=9)]
+        return [sample(logits, tensors(params, gens, vocab=40)).tolist() for _ in range(1)][0]
+    a, b = draw(), draw()
+    assert a == b
+    assert a[1] == int(logits[1].argmax())
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"), (dict(top_k=-3), "top_k"), (dict(min_p=2.0), "min_p"),
+    (dict(stop=[""]), "stop"),
+])
+def test_invalid_sampling_params(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad)
