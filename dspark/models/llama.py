@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models.layers.linear import Linear
 from dspark.models.layers.attention import AttentionMetadata, paged_attention, write_kv
 from dspark.models.layers.norm import RMSNorm
 from dspark.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -33,8 +34,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -56,8 +57,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -84,7 +85,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
@@ -93,18 +94,22 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
                 aux_layer_ids: tuple[int, ...] = (), return_hidden: bool = False) -> ModelOutput:
-        """input_ids/positions [T]; logits only for rows logits_indices [N]."""
+        """input_ids/positions [T]; logits only for rows logits_indices [N].
+
+        aux_layer_ids count decoder-layer outputs (id i = output of layer i, -1 = the embeddings),
+        the DeepSpec convention; the aux hidden concatenates them in the order given.
+        """
         x = self.embed_tokens(input_ids)                          # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        aux = []
+        aux = {-1: x} if -1 in aux_layer_ids else {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_caches[i], meta)
             if i in aux_layer_ids:
-                aux.append(x)
+                aux[i] = x
         h = self.norm(x.index_select(0, logits_indices))          # [N, hidden]
         logits = self.lm_head(h).float()                           # [N, V]
-        return ModelOutput(logits=logits, aux_hidden=torch.cat(aux, -1) if aux else None,
-                           last_hidden=h if return_hidden else None)
+        aux_hidden = torch.cat([aux[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
+        return ModelOutput(logits=logits, aux_hidden=aux_hidden, last_hidden=h if return_hidden else None)
 
     def load_weights(self, weights) -> None:
         """Load Hugging Face named tensors, fusing q/k/v and gate/up as they arrive."""

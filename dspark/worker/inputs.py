@@ -48,7 +48,8 @@ def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.devi
     attn = AttentionMetadata(
         num_reqs=attn.num_reqs, max_q=attn.max_q,
         write_rows=None if attn.write_rows is None else to(attn.write_rows),
-        write_slots=to(attn.write_slots), gather_slots=to(attn.gather_slots),
+        write_slots=to(attn.write_slots), block_tables=to(attn.block_tables),
+        block_size=attn.block_size, kv_len=attn.kv_len,
         q_index=None if attn.q_index is None else to(attn.q_index),
         mask=None if attn.mask is None else attn.mask.to(device), is_causal=attn.is_causal)
     return StepInputs(input_ids=to(ids), positions=to(positions), qo_indptr=to(indptr),
@@ -66,10 +67,7 @@ def _padded_tables(chunks: list[RequestChunk]) -> torch.Tensor:
 def _metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables: torch.Tensor,
               slots: torch.Tensor, block_size: int, window: int | None) -> AttentionMetadata:
     r, max_q, max_ctx = len(q_lens), max(q_lens), max(ctx_lens)
-    key_pos = torch.arange(max_ctx)
-    gather = tables[:, key_pos // block_size] * block_size + key_pos % block_size   # [R, L]
-    ctx = torch.tensor(ctx_lens)
-    gather = torch.where(key_pos[None, :] < ctx[:, None], gather, gather[:, :1])
+    tables = tables[:, :-(-max_ctx // block_size)]
     uniform = all(q == max_q for q in q_lens)
     q_index = None
     if not uniform:
@@ -86,7 +84,8 @@ def _metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables:
         num_reqs=r, max_q=max_q,
         write_rows=None if all_valid else valid.nonzero().flatten(),
         write_slots=slots if all_valid else slots[valid],
-        gather_slots=gather, q_index=q_index, mask=mask, is_causal=causal)
+        block_tables=tables.clamp(min=0), block_size=block_size, kv_len=max_ctx, q_index=q_index, mask=mask,
+        is_causal=causal)
 
 
 def _mask(q_lens, starts, max_q, max_ctx, window) -> torch.Tensor:

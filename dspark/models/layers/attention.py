@@ -20,7 +20,9 @@ class AttentionMetadata:
     max_q: int                            # longest query of the step
     write_rows: torch.Tensor | None       # [W] token rows whose K/V are stored (None: all rows)
     write_slots: torch.Tensor             # [W] cache slots they go to (slot -1 rows are dropped)
-    gather_slots: torch.Tensor            # [R, L] cache slots of each request's keys, padded
+    block_tables: torch.Tensor            # [R, NB] each request's KV blocks, padded
+    block_size: int
+    kv_len: int                           # L: keys per request after padding (<= NB * block)
     q_index: torch.Tensor | None          # [T] row of each token in the padded [R*max_q] query
     mask: torch.Tensor | None             # [R, 1, max_q, L] True = attend; None = attend all
     is_causal: bool = False               # single request, fresh prefill: plain causal SDPA
@@ -34,13 +36,22 @@ def write_kv(cache: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor
     cache.index_copy_(0, slots, new if rows is None else new.index_select(0, rows))
 
 
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                  kv_len: int) -> torch.Tensor:
+    """cache [S, KVH, D] -> [R, KVH, L, D]; whole blocks are copied, one contiguous run each."""
+    r, nb = block_tables.shape
+    blocks = cache.view(-1, block_size * cache.shape[1] * cache.shape[2])
+    out = blocks.index_select(0, block_tables.flatten())
+    return out.view(r, nb * block_size, *cache.shape[1:])[:, :kv_len].transpose(1, 2)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D] -> out [T, H*D]; the new K/V must already be in the cache."""
     t, h, d = q.shape
-    r, lmax = meta.gather_slots.shape
-    keys = k_cache[meta.gather_slots].transpose(1, 2)     # [R, KVH, L, D]
-    values = v_cache[meta.gather_slots].transpose(1, 2)   # [R, KVH, L, D]
+    r = meta.num_reqs
+    keys = gather_blocks(k_cache, meta.block_tables, meta.block_size, meta.kv_len)
+    values = gather_blocks(v_cache, meta.block_tables, meta.block_size, meta.kv_len)
     if meta.q_index is None:
         qp = q.view(r, meta.max_q, h, d)
     else:
