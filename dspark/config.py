@@ -40,6 +40,16 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpecConfig:
+    """Speculative decoding with a DSpark drafter; no drafter means plain decoding."""
+    drafter: str | None = None           # drafter folder (speculators or DeepSpec format)
+
+    def __post_init__(self) -> None:
+        if self.drafter is not None and not os.path.exists(self.drafter):
+            raise FileNotFoundError(f"drafter path {self.drafter!r} does not exist")
+
+
+@dataclass
 class EngineConfig:
     model: str | None = None             # HF folder or GGUF file; None = the embedded default
     dtype: str = "bfloat16"
@@ -49,6 +59,7 @@ class EngineConfig:
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -7,7 +7,7 @@ from typing import Sequence as Seq
 
 from tqdm import tqdm
 
-from dspark.config import CacheConfig, EngineConfig, SchedulerConfig
+from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from dspark.engine.engine import Engine
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
@@ -16,8 +16,9 @@ from dspark.sampling_params import SamplingParams
 class LLM:
     """Completes raw prompts (no chat template); one RequestOutput per prompt, in order."""
 
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", **kwargs):
-        self.engine = Engine(build_config(model=model, dtype=dtype, **kwargs))
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", drafter: str | None = None,
+                 **kwargs):
+        self.engine = Engine(build_config(model=model, dtype=dtype, drafter=drafter, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
@@ -49,7 +50,7 @@ class LLM:
 
 def build_config(**kwargs) -> EngineConfig:
     """Route flat keyword arguments to the engine, cache and scheduler sections."""
-    sections = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+    sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
     picked: dict[str, dict] = {name: {} for name in sections}
     top = {}
     for key, value in kwargs.items():

@@ -56,3 +56,42 @@ def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f)
     os.sync()
+
+
+def save_random_drafter(path: str, target_dir: str, gamma: int = 4, markov_type: str = "vanilla",
+                        rank: int = 8, sample_from_anchor: bool = True, layer_ids=(0, 1, 2),
+                        confidence: bool = True, num_layers: int = 1, seed: int = 0, std: float = 0.08,
+                        copy_prev: float = 0.0):
+    """A random DSpark drafter for the tiny target in `target_dir`, saved in speculators format.
+
+    copy_prev > 0 makes a vanilla Markov head (rank = vocab) that favours repeating the previous
+    token, so drafts of the repetitive text random targets produce are often accepted.
+    """
+    from dspark.models.drafter import Drafter, DrafterConfig
+    from dspark.models.drafter_loader import save_speculators
+    from dspark.models.loader import load_target
+    target = load_target(target_dir, torch.float32)
+    t = target.config
+    if copy_prev:
+        markov_type, rank = "vanilla", t.vocab_size
+    cfg = DrafterConfig(
+        block_size=gamma, target_layer_ids=tuple(layer_ids), sample_from_anchor=sample_from_anchor,
+        mask_token_id=t.vocab_size - 1, markov_rank=rank, markov_head_type=markov_type,
+        enable_confidence_head=confidence, confidence_head_with_markov=confidence and rank > 0,
+        hidden_size=t.hidden_size, num_layers=num_layers, num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
+        rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta, rope_scaling=None, qk_norm=True,
+        attention_bias=False, target_hidden_size=t.hidden_size, vocab_size=t.vocab_size,
+        draft_vocab_size=t.vocab_size, max_position_embeddings=t.max_position_embeddings)
+    torch.manual_seed(seed)
+    drafter = Drafter(cfg, target.model.embed_tokens, target.model.lm_head)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, std)
+        if copy_prev:
+            eye = torch.eye(t.vocab_size) * copy_prev ** 0.5
+            drafter.markov_head.markov_w1.weight.copy_(eye)
+            drafter.markov_head.markov_w2.weight.copy_(eye)
+    save_speculators(drafter, path)
+    return drafter

@@ -14,11 +14,11 @@ from dspark.engine.output_processor import OutputProcessor
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.engine.sequence import Sequence
 from dspark.models.loader import load_target
-from dspark.outputs import RequestOutput
+from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
 from dspark.worker.inputs import RequestChunk
-from dspark.worker.kv_cache import num_blocks_for_budget
-from dspark.worker.worker import Worker, WorkerBatch
+from dspark.worker.kv_cache import bytes_per_block, num_blocks_for_budget
+from dspark.worker.worker import StepResult, Worker, WorkerBatch
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +35,22 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or 8192, loaded.config.max_position_embeddings)
         cache = config.cache
+        self.drafter = self._load_drafter(loaded)
+        draft_bytes = 0 if self.drafter is None else bytes_per_block(
+            self.drafter.config, cache.block_size, config.torch_dtype)
         needed = config.scheduler.max_num_seqs * (self.max_model_len + cache.block_size)
-        num_blocks = num_blocks_for_budget(loaded.config, cache, config.torch_dtype, self.device, needed)
+        num_blocks = num_blocks_for_budget(loaded.config, cache, config.torch_dtype, self.device, needed,
+                                           extra_bytes_per_block=draft_bytes)
         if num_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache budget holds {num_blocks * cache.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; raise the budget or lower max_model_len")
         self.block_manager = BlockManager(num_blocks, cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        gamma = self.drafter.config.block_size if self.drafter is not None else 0
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, gamma)
         self.worker = Worker(loaded.model, loaded.config, num_blocks, cache.block_size,
-                             config.torch_dtype, self.device)
+                             config.torch_dtype, self.device, drafter=self.drafter)
+        self.spec_stats = SpecStats(accepted_per_position=[0] * gamma)
         eos = list(loaded.config.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
         if self.tokenizer is not None:
             eos = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
@@ -52,6 +58,13 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+
+    def _load_drafter(self, loaded):
+        if self.config.spec.drafter is None:
+            return None
+        from dspark.models.drafter_loader import load_drafter
+        return load_drafter(self.config.spec.drafter, loaded.config, loaded.model.embed_tokens,
+                            loaded.model.lm_head, self.config.torch_dtype)
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -102,34 +115,59 @@ class Engine:
         if sched.is_empty:
             return []
         batch = self._worker_batch(sched)
-        tokens = self.worker.execute(batch)
-        return self._commit(sched, tokens)
+        result = self.worker.execute(batch)
+        return self._commit(sched, result)
 
     def _worker_batch(self, sched: SchedulerOutput) -> WorkerBatch:
-        chunks, params, gens = [], [], []
+        chunks, params, gens, spec = [], [], [], []
         for s in sched.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
-            ids = [seq.token_at(p) for p in range(start, start + s.num_new_tokens)]
-            chunks.append(RequestChunk(ids, start, seq.block_table, 1 if s.sample else 0))
+            if s.spec:      # the anchor, then ℓ rows the drafter fills on the device
+                ids = [seq.token_at(start)] + [0] * s.verify_len
+            else:
+                ids = [seq.token_at(p) for p in range(start, start + s.num_new_tokens)]
+            num_logits = (1 + s.verify_len if s.spec else 1) if s.sample else 0
+            chunks.append(RequestChunk(ids, start, seq.block_table, num_logits))
             if s.sample:
                 params.append(seq.params)
                 gens.append(seq.generator)
-        return WorkerBatch(chunks, params, gens)
+                spec.append(s.spec)
+        return WorkerBatch(chunks, params, gens, spec)
 
-    def _commit(self, sched: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
-        outputs, it, now = [], iter(tokens), time.perf_counter()
+    def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        outputs, now, k = [], time.perf_counter(), 0
         for s in sched.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
             if not s.sample:
+                seq.num_computed_tokens += s.num_new_tokens
                 continue
+            tokens = result.tokens[k]
+            if s.spec:
+                self._count_spec(seq, s.verify_len, result.num_accepted[k])
+                seq.num_computed_tokens += len(tokens)          # anchor + accepted drafts
+                self.block_manager.truncate(seq.block_table, seq.num_computed_tokens + 1)
+            else:
+                seq.num_computed_tokens += s.num_new_tokens
+            k += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            reason = self.output_processor.append(seq, [next(it)])
+            reason = self.output_processor.append(seq, tokens)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(self._output(seq))
         return outputs
+
+    def _count_spec(self, seq: Sequence, verify_len: int, accepted: int) -> None:
+        gamma = self.drafter.config.block_size
+        for stats in (seq.spec, self.spec_stats):
+            if not stats.accepted_per_position:
+                stats.accepted_per_position = [0] * gamma
+            stats.draft_rounds += 1
+            stats.drafted_tokens += gamma
+            stats.verified_tokens += verify_len
+            stats.accepted_tokens += accepted
+            for pos in range(accepted):
+                stats.accepted_per_position[pos] += 1
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

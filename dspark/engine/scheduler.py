@@ -25,6 +25,8 @@ class ScheduledRequest:
     seq: Sequence
     num_new_tokens: int            # tokens whose KV this step computes
     sample: bool                   # the chunk reaches the end of the known tokens: sample after it
+    spec: bool = False             # a speculative step: anchor + verify_len drafts
+    verify_len: int = 0            # ℓ: drafts verified this step (the drafter still drafts γ)
 
 
 @dataclass
@@ -42,10 +44,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lookahead: int = 0):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 num_spec_tokens: int = 0):
         self.config = config
         self.block_manager = block_manager
-        self.lookahead = lookahead     # extra slots a step may write past the known tokens
+        self.max_model_len = max_model_len
+        self.num_spec_tokens = num_spec_tokens      # γ; 0 = plain decoding
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -65,37 +69,42 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue            # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._grow_or_preempt(seq, n, out):
+            item = self._plan(seq, budget)
+            if not self._grow_or_preempt(seq, item.num_new_tokens, out):
                 continue
-            out.scheduled.append(self._scheduled(seq, n))
-            budget -= n
+            out.scheduled.append(item)
+            budget -= item.num_new_tokens
         self._admit_waiting(out, budget)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.ensure(seq.block_table, seq.num_computed_tokens + n + self._extra(seq, n)):
+            item = self._plan(seq, budget)
+            if not self.block_manager.ensure(seq.block_table, seq.num_computed_tokens + item.num_new_tokens):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
-            out.scheduled.append(self._scheduled(seq, n))
-            budget -= n
+            out.scheduled.append(item)
+            budget -= item.num_new_tokens
 
-    def _extra(self, seq: Sequence, n: int) -> int:
-        """Lookahead slots are reserved only when the step finishes the known tokens."""
-        return self.lookahead if seq.num_computed_tokens + n == seq.num_tokens else 0
-
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledRequest:
+    def _plan(self, seq: Sequence, budget: int) -> ScheduledRequest:
+        """A prefill chunk, a plain decode token, or a speculative step (anchor + ℓ drafts)."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if self.num_spec_tokens and remaining == 1 and seq.num_output_tokens > 0:
+            verify_len = min(self.num_spec_tokens, budget - 1,
+                             seq.params.max_tokens - seq.num_output_tokens - 1,
+                             self.max_model_len - seq.num_tokens)
+            verify_len = max(verify_len, 0)
+            return ScheduledRequest(seq, 1 + verify_len, sample=True, spec=True, verify_len=verify_len)
+        n = min(remaining, budget)
         return ScheduledRequest(seq, n, sample=seq.num_computed_tokens + n == seq.num_tokens)
 
     def _grow_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        need = seq.num_computed_tokens + n + self._extra(seq, n)
+        need = seq.num_computed_tokens + n
         while not self.block_manager.ensure(seq.block_table, need):
             victim = self.running[-1]
             self._preempt(victim)

@@ -26,9 +26,13 @@ def available_memory(device: torch.device) -> int:
 
 
 def num_blocks_for_budget(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                          device: torch.device, max_tokens_needed: int) -> int:
-    """Blocks that fit the budget, capped at what `max_tokens_needed` concurrent tokens use."""
-    per_block = bytes_per_block(cfg, cache.block_size, dtype)
+                          device: torch.device, max_tokens_needed: int,
+                          extra_bytes_per_block: int = 0) -> int:
+    """Blocks that fit the budget, capped at what `max_tokens_needed` concurrent tokens use.
+
+    `extra_bytes_per_block` is what else lives in each block (the drafter's context K/V).
+    """
+    per_block = bytes_per_block(cfg, cache.block_size, dtype) + extra_bytes_per_block
     budget = cache.kv_cache_bytes
     if budget is None:
         budget = int(available_memory(device) * cache.memory_fraction)

@@ -23,6 +23,7 @@ class SamplingTensors:
     greedy: torch.Tensor                   # [N] bool
     all_greedy: bool
     generators: list[torch.Generator | None]
+    greedy_host: list[bool]                # the same flags on the host (no sync to read them)
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -37,7 +38,37 @@ class SamplingTensors:
             top_k=t([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.long) if use_k else None,
             top_p=t([p.top_p for p in params], torch.float32) if use_p else None,
             min_p=t([p.min_p for p in params], torch.float32) if use_min_p else None,
-            greedy=t(greedy, torch.bool), all_greedy=all(greedy), generators=generators)
+            greedy=t(greedy, torch.bool), all_greedy=all(greedy), generators=generators,
+            greedy_host=greedy)
+
+    def repeat(self, n: int) -> "SamplingTensors":
+        return repeat_rows(self, n)
+
+    def select(self, rows: list[int]) -> "SamplingTensors":
+        """The parameters of a subset of rows (e.g. the speculative requests of a mixed step)."""
+        if rows == list(range(len(self.generators))):
+            return self
+        index = torch.tensor(rows, device=self.temperature.device)
+        pick = lambda x: None if x is None else x.index_select(0, index)  # noqa: E731
+        greedy = pick(self.greedy)
+        return SamplingTensors(temperature=pick(self.temperature), top_k=pick(self.top_k),
+                               top_p=pick(self.top_p), min_p=pick(self.min_p), greedy=greedy,
+                               all_greedy=self.all_greedy or all(self.greedy_host[i] for i in rows),
+                               generators=[self.generators[i] for i in rows],
+                               greedy_host=[self.greedy_host[i] for i in rows])
+
+
+def _rep(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if x is None else x.repeat_interleave(n, dim=0)
+
+
+def repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
+    """Each request's parameters for n consecutive rows (a verify block), generators not repeated."""
+    return SamplingTensors(temperature=_rep(st.temperature, n), top_k=_rep(st.top_k, n),
+                           top_p=_rep(st.top_p, n), min_p=_rep(st.min_p, n),
+                           greedy=_rep(st.greedy, n), all_greedy=st.all_greedy,
+                           generators=[g for g in st.generators for _ in range(n)],
+                           greedy_host=[g for g in st.greedy_host for _ in range(n)])
 
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""Owns the model, the KV cache and the sampler; runs one step with one device->host copy."""
+"""Owns the target (and drafter), their KV caches and the sampler; one device->host copy a step.
+
+A step's chunks are prefill chunks, plain decode tokens and speculative blocks, all in one ragged
+target forward.  For speculative blocks the drafter runs first and its drafts are written into
+the block's input rows on the device, so drafting, verification and acceptance need no sync.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.models.drafter import Drafter
 from dspark.models.llama import CausalLM
 from dspark.models.model_config import ModelConfig
 from dspark.sampling_params import SamplingParams
-from dspark.worker.inputs import RequestChunk, build_inputs
+from dspark.spec.draft import append_context, propose
+from dspark.spec.verify import accept
+from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
 from dspark.worker.sampler import SamplingTensors, sample
 
@@ -20,26 +28,120 @@ logger = logging.getLogger(__name__)
 @dataclass
 class WorkerBatch:
     chunks: list[RequestChunk]
-    params: list[SamplingParams]                  # one per chunk that samples (num_logits == 1)
+    params: list[SamplingParams]                  # one per chunk that samples, in chunk order
     generators: list[torch.Generator | None]
+    spec: list[bool]                              # per sampling chunk: a speculative block?
+
+
+@dataclass
+class StepResult:
+    tokens: list[list[int]]                       # per sampling chunk: the tokens to commit
+    num_accepted: list[int]                       # per sampling chunk: accepted drafts (0 if plain)
+    confidence_logits: list[list[float]] | None = None   # per spec chunk: z_k
 
 
 class Worker:
     def __init__(self, model: CausalLM, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, drafter: Drafter | None = None):
         self.model = model
         self.config = config
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
+        self.drafter = drafter
+        self.draft_kv = None
+        if drafter is not None:
+            self.draft_kv = allocate_kv_cache(drafter.config, num_blocks, block_size, dtype, device)
 
     @torch.inference_mode()
-    def execute(self, batch: WorkerBatch) -> list[int]:
-        """Forward every chunk, sample the rows that finish their known tokens, return them."""
+    def execute(self, batch: WorkerBatch) -> StepResult:
         inputs = build_inputs(batch.chunks, self.block_size, self.device, self.config.sliding_window)
-        out = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches,
-                         inputs.logits_indices)
-        if not batch.params:
-            return []
+        sampling = [c for c in batch.chunks if c.num_logits > 0]
         st = SamplingTensors.build(batch.params, batch.generators, self.config.vocab_size, self.device)
-        return sample(out.logits, st).tolist()      # the step's one device -> host copy
+        spec_idx = [i for i, s in enumerate(batch.spec) if s]
+        proposal = None
+        if spec_idx:
+            proposal = self._draft(sampling, spec_idx, st)
+            self._place_drafts(inputs, batch.chunks, spec_idx, proposal.tokens)
+        aux_ids = self.drafter.config.target_layer_ids if self.drafter is not None else ()
+        out = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches,
+                         inputs.logits_indices, aux_layer_ids=aux_ids)
+        if self.drafter is not None:
+            append_context(self.drafter, self.draft_kv, out.aux_hidden, inputs.positions,
+                           inputs.attn.write_rows, inputs.attn.write_slots)
+        return self._accept(out.logits, sampling, batch.spec, spec_idx, proposal, st)
+
+    def _draft(self, sampling: list[RequestChunk], spec_idx: list[int], st: SamplingTensors):
+        chunks = [sampling[i] for i in spec_idx]
+        anchors = torch.tensor([c.token_ids[0] for c in chunks], device=self.device)
+        starts = torch.tensor([c.start for c in chunks], device=self.device)
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks],
+                              device=self.device)
+        return propose(self.drafter, self.draft_kv, anchors, starts, tables, self.block_size,
+                       st.select(spec_idx))
+
+    def _place_drafts(self, inputs: StepInputs, chunks: list[RequestChunk], spec_idx: list[int],
+                      drafts: torch.Tensor) -> None:
+        """Write each block's first ℓ drafts into its input rows (rows after the anchor)."""
+        rows, src = [], []
+        offsets = _sampling_offsets(chunks)
+        sampling = [c for c in chunks if c.num_logits > 0]
+        for j, i in enumerate(spec_idx):
+            verify_len = len(sampling[i].token_ids) - 1
+            rows += [offsets[i] + 1 + k for k in range(verify_len)]
+            src += [j * drafts.shape[1] + k for k in range(verify_len)]
+        if rows:
+            index = torch.tensor(rows, device=self.device)
+            inputs.input_ids.index_copy_(0, index, drafts.flatten()[torch.tensor(src, device=self.device)])
+
+    def _accept(self, logits, sampling, spec_flags, spec_idx, proposal, st) -> StepResult:
+        counts = [c.num_logits for c in sampling]
+        rows = torch.split(logits, counts)
+        plain_idx = [i for i, s in enumerate(spec_flags) if not s]
+        parts = []
+        if plain_idx:
+            plain_logits = torch.stack([rows[i][-1] for i in plain_idx])
+            parts.append(sample(plain_logits, st.select(plain_idx)))
+        if spec_idx:
+            gamma = proposal.tokens.shape[1]
+            padded = logits.new_zeros(len(spec_idx), gamma + 1, logits.shape[-1])
+            for j, i in enumerate(spec_idx):
+                padded[j, :counts[i]] = rows[i]
+            lens = torch.tensor([counts[i] - 1 for i in spec_idx], device=self.device)
+            res = accept(padded, lens, proposal, st.select(spec_idx))
+            parts += [res.num_accepted, res.tokens.flatten()]
+            if proposal.confidence_logits is not None:
+                parts.append(proposal.confidence_logits.flatten())
+        flat = torch.cat([p.float() for p in parts]).tolist()    # the step's one device -> host copy
+        return _unpack(flat, spec_flags, plain_idx, spec_idx, proposal)
+
+
+def _sampling_offsets(chunks: list[RequestChunk]) -> list[int]:
+    """Flat row of each sampling chunk's first token (non-sampling chunks lie in between)."""
+    offsets, row = [], 0
+    for c in chunks:
+        if c.num_logits > 0:
+            offsets.append(row)
+        row += len(c.token_ids)
+    return offsets
+
+
+def _unpack(flat: list[float], spec_flags, plain_idx, spec_idx, proposal) -> StepResult:
+    n_plain, n_spec = len(plain_idx), len(spec_idx)
+    tokens: list[list[int]] = [[] for _ in spec_flags]
+    accepted = [0] * len(spec_flags)
+    for j, i in enumerate(plain_idx):
+        tokens[i] = [int(flat[j])]
+    conf = None
+    if n_spec:
+        gamma = proposal.tokens.shape[1]
+        base = n_plain + n_spec
+        for j, i in enumerate(spec_idx):
+            a = int(flat[n_plain + j])
+            accepted[i] = a
+            tokens[i] = [int(t) for t in flat[base + j * (gamma + 1): base + j * (gamma + 1) + a + 1]]
+        if proposal.confidence_logits is not None:
+            start = base + n_spec * (gamma + 1)
+            conf = [flat[start + j * gamma: start + (j + 1) * gamma] for j in range(n_spec)]
+    return StepResult(tokens=tokens, num_accepted=accepted, confidence_logits=conf)

@@ -1,0 +1,346 @@
+"""The DSpark drafter: a block-parallel backbone conditioned on target features, a low-rank
+sequential (Markov) head and a confidence head (reference/dspark_algorithm.md §3).
+
+The drafter never owns the token embedding or the LM head: both belong to the target and are
+shared, so they are held outside the module tree and `state_dict()` holds drafter weights only.
+Context K/V are computed once per committed token (`context_kv`) and cached by the caller; a draft
+step (`block_forward`) then only runs the γ (or γ+1) block slots against the gathered cache.
+Every method takes its state as arguments: the drafter holds weights, nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.layers.linear import Linear
+from dspark.models.layers.norm import RMSNorm
+from dspark.models.layers.rotary import RotaryEmbedding, apply_rotary
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    block_size: int                     # γ: draft tokens per block (always drafted in full)
+    target_layer_ids: tuple[int, ...]   # DeepSpec ids: i = output of target layer i, -1 = embeddings
+    sample_from_anchor: bool            # True: slots [x0, MASK*(γ-1)] give γ drafts; False: 1+γ slots
+    mask_token_id: int
+    markov_rank: int                    # 0 = no sequential head (plain DFlash)
+    markov_head_type: str               # vanilla | gated | rnn
+    enable_confidence_head: bool
+    confidence_head_with_markov: bool
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    qk_norm: bool
+    attention_bias: bool
+    target_hidden_size: int
+    vocab_size: int                     # target vocabulary
+    draft_vocab_size: int               # == vocab_size unless a reduced draft vocabulary is used
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if self.markov_rank > 0 and self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"unknown markov_head_type {self.markov_head_type!r}; "
+                             f"expected one of {list(MARKOV_HEAD_TYPES)}")
+        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
+            raise ValueError("confidence_head_with_markov=True needs a Markov head, "
+                             "but markov_rank is 0")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must not be empty")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in "
+                             f"[1, vocab_size={self.vocab_size}]")
+
+    @property
+    def num_block_slots(self) -> int:
+        """Query rows per block: the anchor plus γ-1 masks, or plus γ masks in the DFlash layout."""
+        return self.block_size if self.sample_from_anchor else self.block_size + 1
+
+    @property
+    def draft_slot_offset(self) -> int:
+        """Block row that gives draft 1; rows offset..offset+γ-1 give the γ drafts."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def uses_draft_vocab(self) -> bool:
+        return self.draft_vocab_size != self.vocab_size
+
+
+class DraftAttention(nn.Module):
+    """Non-causal attention over [cached context K/V ; own block]; context enters k/v_proj
+    without the layer's input norm (it was normalised once by `hidden_norm`)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        d, q_size, kv_size = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = Linear(d, q_size, bias=cfg.attention_bias)
+        self.k_proj = Linear(d, kv_size, bias=cfg.attention_bias)
+        self.v_proj = Linear(d, kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, d, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., d] -> roped k, v [..., KVH, D] (same path for context and block rows)."""
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [R, S, d]; cos/sin [R, S, 1, D]; ctx_k/ctx_v [R, L, KVH, D]; mask [R, 1, 1, L+S]."""
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))       # [R, S, H, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rotary(q, cos, sin)
+        k_blk, v_blk = self.keys_values(x, cos, sin)                             # [R, S, KVH, D]
+        k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=1).transpose(1, 2)     # [R, KVH, L+S, D]
+        v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))                      # [R, S, d]
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """W1 is indexed by target ids (the previous token); W2 projects to the draft vocabulary."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        r, d = cfg.markov_rank, cfg.hidden_size
+        self.head_type = cfg.markov_head_type
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
+        self.markov_w2 = Linear(r, cfg.draft_vocab_size, bias=False)
+        if self.head_type == "gated":
+            self.gate_proj = Linear(d + r, r, bias=True)
+        elif self.head_type == "rnn":
+            self.joint_proj = Linear(2 * r + d, 3 * r, bias=True)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = Linear(input_dim, 1, bias=True)
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Module):
+        super().__init__()
+        self.config = cfg
+        # a tuple is not registered: the target's modules stay out of state_dict(), .to() and
+        # parameters(), so they are shared with the target and never copied or saved twice
+        self._shared = (embed_tokens, lm_head)
+        d = cfg.hidden_size
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, d, bias=False)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings + cfg.num_block_slots,
+                                      cfg.rope_theta, cfg.rope_scaling)
+        self.markov_head = MarkovHead(cfg) if cfg.markov_rank > 0 else None
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
+            self.confidence_head = ConfidenceHead(d + extra)
+        if cfg.uses_draft_vocab:
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+            # derived at load from the target lm_head and d2t; never saved
+            self.register_buffer("draft_lm_head_weight", torch.empty(0), persistent=False)
+            self.register_buffer("draft_to_target_index", torch.empty(0, dtype=torch.long),
+                                 persistent=False)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._shared[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._shared[1]
+
+    # ---- context ---------------------------------------------------------------------------
+
+    def project_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[N, m*d_t] target features of committed tokens -> [N, d] = hidden_norm(fc(x))."""
+        return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+
+    def context_kv(self, h_ctx: torch.Tensor,
+                   positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """h_ctx [N, d], positions [N] -> per draft layer (k, v), each [N, KVH, D], k roped."""
+        cos, sin = self.rotary.cos_sin(positions, h_ctx.dtype)
+        return [layer.self_attn.keys_values(h_ctx, cos, sin) for layer in self.layers]
+
+    # ---- block -----------------------------------------------------------------------------
+
+    def block_forward(self, block_ids: torch.Tensor, positions: torch.Tensor,
+                      ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor],
+                      ctx_valid: torch.Tensor) -> torch.Tensor:
+        """One bidirectional pass over every request's block.
+
+        block_ids/positions [R, S] (S = num_block_slots, positions = anchor_pos + slot);
+        ctx_k/ctx_v per layer [R, L, KVH, D]; ctx_valid [R, L] marks the keys that exist
+        (positions < the anchor's). Returns the final-normed block hidden [R, S, d].
+        """
+        r, s = block_ids.shape
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)               # [R, S, d]
+        cos, sin = self.rotary.cos_sin(positions.reshape(-1), x.dtype)
+        cos, sin = cos.view(r, s, 1, -1), sin.view(r, s, 1, -1)                # [R, S, 1, D]
+        block_keys = torch.ones(r, s, dtype=torch.bool, device=ctx_valid.device)
+        mask = torch.cat([ctx_valid.bool(), block_keys], dim=1)[:, None, None, :]  # [R, 1, 1, L+S]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
+        return self.norm(x)
+
+    def draft_hidden(self, h_block: torch.Tensor) -> torch.Tensor:
+        """[R, S, d] -> [R, γ, d]: the rows whose logits are the γ drafts."""
+        off = self.config.draft_slot_offset
+        return h_block[:, off:off + self.config.block_size]
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., d] -> fp32 [..., V_draft] through the target lm_head (its draft-vocab rows)."""
+        if self.config.uses_draft_vocab:
+            return F.linear(h, self.draft_lm_head_weight.to(h.dtype)).float()
+        return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
+
+    # ---- sequential head -------------------------------------------------------------------
+
+    def markov_embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """[R] previous tokens (target ids) -> e [R, r] = W1[prev]."""
+        return self.markov_head.markov_w1(prev_ids.long())
+
+    def init_markov_state(self, h_block: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor | None:
+        """Recurrent state entering draft 1 (None unless the head is `rnn`).
+
+        In the DFlash layout the reference runs the recurrence over every block row, the anchor
+        row included (fed the anchor and h_0) though its draft is never used, so the state that
+        reaches draft 1 has already absorbed that step.
+        """
+        head = self.markov_head
+        if head is None or head.head_type != "rnn":
+            return None
+        state = h_block.new_zeros(h_block.shape[0], self.config.markov_rank)
+        if not self.config.sample_from_anchor:
+            _, state = self.markov_bias(self.markov_embed(anchor_ids), h_block[:, 0], state)
+        return state
+
+    def markov_bias(self, e: torch.Tensor, h_k: torch.Tensor,
+                    state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """e [R, r], h_k [R, d] -> (fp32 bias B_k [R, V_draft], next state)."""
+        head = self.markov_head
+        if head.head_type == "vanilla":
+            return head.markov_w2(e).float(), state
+        h_k = h_k.to(e.dtype)
+        if head.head_type == "gated":
+            gate = torch.sigmoid(head.gate_proj(torch.cat([h_k, e], dim=-1)))
+            return head.markov_w2(gate * e).float(), state
+        # rnn: joint_proj([s_{k-1}; e; h_k]) chunked into gate, candidate, output
+        gate_raw, cand_raw, out_raw = head.joint_proj(torch.cat([state, e, h_k], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate_raw)
+        state = gate * state + (1.0 - gate) * torch.tanh(cand_raw)
+        return head.markov_w2(torch.tanh(out_raw)).float(), state
+
+    def confidence_logits(self, h_k: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+        """h_k [R, d] (post final norm), e [R, r] -> fp32 logit z_k [R]; c_k = sigmoid(z_k)."""
+        feats = h_k
+        if self.config.confidence_head_with_markov:
+            feats = torch.cat([h_k, e.to(h_k.dtype)], dim=-1)
+        return self.confidence_head.proj(feats).squeeze(-1).float()
+
+    # ---- vocabulary --------------------------------------------------------------------------
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target ids (target = draft + d2t[draft]); identity at full vocab."""
+        if not self.config.uses_draft_vocab:
+            return draft_ids
+        return self.draft_to_target_index[draft_ids]
+
+    def scatter_to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V_draft] -> [..., V] with -inf outside the draft vocabulary."""
+        if not self.config.uses_draft_vocab:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_to_target_index, logits)
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Strict load of drafter weights (names as speculators and DeepSpec save them)."""
+        own = self.state_dict()
+        unexpected, misshaped, loaded = [], [], set()
+        for name, tensor in named_tensors:
+            if name not in own:
+                unexpected.append(name)
+            elif tuple(own[name].shape) != tuple(tensor.shape):
+                misshaped.append(f"{name}: checkpoint {tuple(tensor.shape)} vs "
+                                 f"expected {tuple(own[name].shape)}")
+            else:
+                with torch.no_grad():
+                    own[name].copy_(tensor.to(own[name].dtype))
+                loaded.add(name)
+        missing = sorted(set(own) - loaded)
+        if missing or unexpected or misshaped:
+            raise ValueError("drafter checkpoint does not match the drafter config: "
+                             f"missing {missing}, unexpected {sorted(unexpected)}, "
+                             f"mis-shaped {misshaped}")
+        if self.config.uses_draft_vocab:
+            self.bind_draft_vocab()
+
+    def bind_draft_vocab(self) -> None:
+        """Check t2d/d2t agree, then derive the draft lm_head rows and the id map from them.
+
+        Called by load_weights; call it again after setting t2d/d2t by hand (training)."""
+        index = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        selected = torch.nonzero(self.t2d, as_tuple=False).squeeze(-1)
+        if index.numel() != selected.numel() or not torch.equal(index.to(selected.device), selected):
+            raise ValueError("vocabulary maps disagree: draft_id + d2t[draft_id] must list the "
+                             f"t2d ids in order (t2d selects {selected.numel()} ids, "
+                             f"draft_vocab_size is {self.config.draft_vocab_size})")
+        self.draft_to_target_index = index
+        self.draft_lm_head_weight = self.lm_head.weight.detach()[index].to(self.fc.weight.dtype)

@@ -1,0 +1,309 @@
+"""Read a DSpark drafter checkpoint (speculators or DeepSpec format) against a loaded target,
+and write the speculators format back (reference/dspark_algorithm.md §4).
+
+The two formats count target layers differently: DeepSpec's `target_layer_ids` are decoder-layer
+outputs (-1 = embeddings), speculators' `aux_hidden_state_layer_ids` are layer boundaries
+(0 = embeddings, i = output of layer i-1). Everything inside dspark uses the DeepSpec count, so
+the speculators ids are shifted by one here and nowhere else. speculators' `block_size` counts
+block rows, DeepSpec's counts drafts; DrafterConfig.block_size is always the number of drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from dspark.models.drafter import Drafter, DrafterConfig
+from dspark.models.layers.rotary import RotaryEmbedding
+from dspark.models.loader import safetensors_files
+from dspark.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+SPECULATORS_TYPES = ("dspark", "dflash")
+DEEPSPEC_ARCHITECTURES = ("Qwen3DSparkModel",)
+# held by the target and shared; a checkpoint's copies are only checked for shape
+SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
+# speculators training-only modules that never reach a saved checkpoint (tolerated if present)
+TRAINING_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")
+
+
+def load_drafter(path: str, target: ModelConfig, embed_tokens: nn.Embedding, lm_head: nn.Module,
+                 dtype: torch.dtype, require_confidence: bool = False,
+                 max_positions: int | None = None) -> Drafter:
+    """Build the drafter for `target`, sharing its embedding and LM head (and their device).
+
+    `max_positions` is the target's position-table size when it was loaded with a larger one
+    than its config declares; the drafter's table covers it plus one block.
+    """
+    raw = _read_config(path)
+    cfg = drafter_config_from_hf(raw, target)
+    if max_positions is not None and max_positions > cfg.max_position_embeddings:
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max_positions)
+    _validate(cfg, target, require_confidence)
+    tensors = _read_tensors(path)
+    _check_shared_shapes(tensors, cfg, target)
+    device = embed_tokens.weight.device
+    with torch.device("meta"):       # no random init: every weight comes from the checkpoint
+        drafter = Drafter(cfg, embed_tokens, lm_head)
+    drafter = drafter.to_empty(device=device).to(dtype)
+    # the cos/sin tables are computed, in fp32, after the meta pass (cos_sin casts per call)
+    drafter.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings + cfg.num_block_slots,
+                                     cfg.rope_theta, cfg.rope_scaling).to(device)
+    drafter.load_weights(_drafter_tensors(tensors, cfg))
+    _check_reduced_lm_head(tensors, drafter)
+    logger.info("drafter %s: %d layers, γ=%d, layers %s, markov %s(r=%d), confidence %s",
+                path, cfg.num_layers, cfg.block_size, list(cfg.target_layer_ids),
+                cfg.markov_head_type if cfg.markov_rank else "none", cfg.markov_rank,
+                cfg.enable_confidence_head)
+    return drafter.eval().requires_grad_(False)
+
+
+def drafter_config_from_hf(raw: dict[str, Any], target: ModelConfig) -> DrafterConfig:
+    """Dispatch on the config's format marker."""
+    if raw.get("speculators_model_type") in SPECULATORS_TYPES:
+        return _speculators_config(raw, target)
+    if any(a in DEEPSPEC_ARCHITECTURES for a in raw.get("architectures") or []):
+        return _deepspec_config(raw, target)
+    raise ValueError("unrecognised drafter config: expected speculators_model_type in "
+                     f"{list(SPECULATORS_TYPES)} or architectures {list(DEEPSPEC_ARCHITECTURES)}, "
+                     f"got speculators_model_type={raw.get('speculators_model_type')!r}, "
+                     f"architectures={raw.get('architectures')!r}")
+
+
+def _speculators_config(raw: dict[str, Any], target: ModelConfig) -> DrafterConfig:
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError("speculators drafter config has no transformer_layer_config")
+    if "sliding_attention" in (layer.get("layer_types") or []):
+        raise ValueError("drafters with sliding-window draft layers are not supported "
+                         f"(layer_types={layer['layer_types']})")
+    aux = raw.get("aux_hidden_state_layer_ids")
+    if not aux:
+        raise ValueError("speculators drafter config has no aux_hidden_state_layer_ids")
+    dflash = raw["speculators_model_type"] == "dflash"
+    sample_from_anchor = bool(raw.get("sample_from_anchor", not dflash))
+    rows = int(raw.get("block_size", 8))
+    if rows < (1 if sample_from_anchor else 2):
+        raise ValueError(f"block_size {rows} with sample_from_anchor={sample_from_anchor} "
+                         f"leaves {rows if sample_from_anchor else rows - 1} draft tokens; "
+                         "at least 1 is needed")
+    confidence = not dflash and bool(raw.get("enable_confidence_head", True))
+    rank = 0 if dflash else int(raw.get("markov_rank", 256))
+    shape = _layer_shapes(layer)
+    return _make_config(
+        shape,
+        block_size=rows if sample_from_anchor else rows - 1,
+        target_layer_ids=tuple(int(i) - 1 for i in aux),
+        sample_from_anchor=sample_from_anchor,
+        mask_token_id=_required(raw, "mask_token_id"),
+        markov_rank=rank,
+        markov_head_type=str(raw.get("markov_head_type", "vanilla")).lower(),
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=confidence and bool(raw.get("confidence_head_with_markov", True)),
+        target_hidden_size=int(raw.get("target_hidden_size") or shape.hidden_size),
+        vocab_size=shape.vocab_size,
+        draft_vocab_size=int(raw.get("draft_vocab_size") or shape.vocab_size),
+        max_position_embeddings=max(shape.max_position_embeddings, target.max_position_embeddings),
+    )
+
+
+def _deepspec_config(raw: dict[str, Any], target: ModelConfig) -> DrafterConfig:
+    shape = _layer_shapes(raw)
+    rank = int(raw.get("markov_rank", 0))
+    confidence = bool(raw.get("enable_confidence_head", False))
+    return _make_config(
+        shape,
+        block_size=_block_size(raw),
+        target_layer_ids=tuple(int(i) for i in _required(raw, "target_layer_ids")),
+        sample_from_anchor=True,
+        mask_token_id=_required(raw, "mask_token_id"),
+        markov_rank=rank,
+        markov_head_type=str(raw.get("markov_head_type", "vanilla")).lower(),
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
+        target_hidden_size=shape.hidden_size,
+        vocab_size=shape.vocab_size,
+        draft_vocab_size=shape.vocab_size,
+        max_position_embeddings=max(shape.max_position_embeddings, target.max_position_embeddings),
+    )
+
+
+def _block_size(raw: dict[str, Any]) -> int:
+    size = int(_required(raw, "block_size"))
+    if size < 1:
+        raise ValueError(f"block_size must be >= 1, got {size}")
+    return size
+
+
+def _layer_shapes(layer: dict[str, Any]) -> ModelConfig:
+    """Both formats describe the draft layers as a Qwen3 config (q/k norm, optional bias)."""
+    return ModelConfig.from_hf({**layer, "architectures": ["Qwen3ForCausalLM"]})
+
+
+def _make_config(shape: ModelConfig, **fields: Any) -> DrafterConfig:
+    if fields["markov_rank"] > 0 and fields["markov_head_type"] not in ("vanilla", "gated", "rnn"):
+        raise ValueError(f"unknown markov_head_type {fields['markov_head_type']!r}; "
+                         "expected one of ['vanilla', 'gated', 'rnn']")
+    return DrafterConfig(
+        hidden_size=shape.hidden_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size, rms_norm_eps=shape.rms_norm_eps,
+        rope_theta=shape.rope_theta, rope_scaling=shape.rope_scaling, qk_norm=True,
+        attention_bias=shape.qkv_bias, **fields)
+
+
+def _validate(cfg: DrafterConfig, target: ModelConfig, require_confidence: bool) -> None:
+    """Mismatches with the target, each named with both values."""
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"drafter vocab_size {cfg.vocab_size} != target vocab_size "
+                         f"{target.vocab_size}")
+    if cfg.target_hidden_size != target.hidden_size:
+        raise ValueError(f"drafter target_hidden_size {cfg.target_hidden_size} != target "
+                         f"hidden_size {target.hidden_size}")
+    if cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"drafter hidden_size {cfg.hidden_size} != target hidden_size "
+                         f"{target.hidden_size} (the drafter shares the target's embedding and "
+                         "lm_head)")
+    _validate_layer_ids(cfg.target_layer_ids, target.num_layers)
+    if require_confidence and not cfg.enable_confidence_head:
+        raise ValueError("confidence scheduling needs a confidence head, but the drafter has "
+                         "enable_confidence_head=False")
+
+
+def _validate_layer_ids(ids: tuple[int, ...], num_layers: int) -> None:
+    """DeepSpec ids in {-1} ∪ [0, num_layers-2], distinct (the target concatenates in any order).
+
+    The last layer is excluded (as DeepSpec's eval does): extractors disagree on whether its
+    reported state is the raw layer output or the final-normed one, so a drafter trained on it
+    would be fed a different feature than it saw.
+    """
+    for i in ids:
+        if not -1 <= i <= num_layers - 2:
+            raise ValueError(f"target_layer_ids {list(ids)} (DeepSpec count) has {i}, outside "
+                             f"[-1, {num_layers - 2}] for a target with {num_layers} layers "
+                             "(the final layer is not allowed)")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"target_layer_ids {list(ids)} repeats a layer")
+
+
+def _drafter_tensors(tensors: dict[str, torch.Tensor], cfg: DrafterConfig):
+    """The checkpoint minus shared and training-only weights (and identity vocab maps)."""
+    for name, tensor in tensors.items():
+        if name in SHARED_WEIGHTS or name in TRAINING_ONLY:
+            continue
+        if name in ("t2d", "d2t") and not cfg.uses_draft_vocab:
+            if name == "d2t" and bool(tensor.any()):
+                raise ValueError("d2t is not the identity map, but draft_vocab_size equals the "
+                                 f"target vocab_size {cfg.vocab_size}")
+            continue
+        yield name, tensor
+
+
+def _check_shared_shapes(tensors: dict[str, torch.Tensor], cfg: DrafterConfig,
+                         target: ModelConfig) -> None:
+    """A checkpoint's own embedding / full lm_head copies are ignored, after a shape check."""
+    expected = {"embed_tokens.weight": (target.vocab_size, target.hidden_size),
+                "lm_head.weight": (cfg.draft_vocab_size, target.hidden_size)}
+    for name, shape in expected.items():
+        if name in tensors and tuple(tensors[name].shape) != shape:
+            raise ValueError(f"checkpoint {name} has shape {tuple(tensors[name].shape)}, "
+                             f"but the target gives {shape}")
+
+
+def _check_reduced_lm_head(tensors: dict[str, torch.Tensor], drafter: Drafter) -> None:
+    """speculators saves the reduced lm_head; it must be the target rows that t2d selects."""
+    saved = tensors.get("lm_head.weight")
+    if saved is None or not drafter.config.uses_draft_vocab:
+        return
+    ours = drafter.draft_lm_head_weight.float()
+    if not torch.allclose(saved.float(), ours, atol=1e-2, rtol=1e-2):
+        logger.warning("the checkpoint's reduced lm_head differs from the target lm_head rows "
+                       "selected by t2d (max |diff| %.3g); using the target's rows",
+                       (saved.float() - ours).abs().max().item())
+
+
+def _required(raw: dict[str, Any], key: str) -> Any:
+    if raw.get(key) is None:
+        raise ValueError(f"drafter config is missing {key!r}")
+    return raw[key]
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"drafter path {path!r} does not exist or is not a folder")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path!r} has no config.json: not a drafter checkpoint")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def save_speculators(drafter: Drafter, path: str, verifier_name_or_path: str | None = None,
+                     verifier_architectures: tuple[str, ...] = ()) -> None:
+    """Write config.json + model.safetensors in the speculators DSpark format.
+
+    The shared embedding is never written; the lm_head only with a reduced draft vocabulary
+    (speculators keeps that one because runtimes do not rebuild it from t2d). The verifier
+    fields name the target in `speculators_config`, which speculators needs to reload the file.
+    """
+    from safetensors.torch import save_file
+    cfg = drafter.config
+    os.makedirs(path, exist_ok=True)
+    tensors = {n: t.detach().contiguous().cpu() for n, t in drafter.state_dict().items()}
+    if cfg.uses_draft_vocab:
+        if drafter.draft_lm_head_weight.numel() == 0:
+            raise ValueError("the reduced-vocabulary drafter has no bound vocabulary maps: set "
+                             "t2d/d2t and call bind_draft_vocab() before saving")
+        tensors["lm_head.weight"] = drafter.draft_lm_head_weight.detach().contiguous().cpu()
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(speculators_config_dict(cfg, str(drafter.fc.weight.dtype).removeprefix("torch."),
+                                          verifier_name_or_path, verifier_architectures), f, indent=2)
+
+
+def speculators_config_dict(cfg: DrafterConfig, dtype: str, verifier_name_or_path: str | None,
+                            verifier_architectures: tuple[str, ...]) -> dict[str, Any]:
+    rows = cfg.num_block_slots
+    layer = {
+        "model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": cfg.attention_bias, "hidden_act": "silu",
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})},
+    }
+    return {
+        "architectures": ["DSparkDraftModel"], "speculators_model_type": "dspark",
+        "speculators_config": {
+            "algorithm": "dspark", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier_name_or_path,
+                         "architectures": list(verifier_architectures)},
+        },
+        "transformer_layer_config": layer,
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "block_size": rows, "sample_from_anchor": cfg.sample_from_anchor,
+        "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size, "markov_rank": cfg.markov_rank,
+        "markov_head_type": cfg.markov_head_type, "enable_confidence_head": cfg.enable_confidence_head,
+        "confidence_head_with_markov": cfg.confidence_head_with_markov,
+        "sliding_window_non_causal": False, "dtype": dtype, "tie_word_embeddings": False,
+    }

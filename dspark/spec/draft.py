@@ -1,0 +1,79 @@
+"""The draft stage: one parallel block pass, then the Markov head left to right.
+
+The drafter's context K/V live in the same paged blocks as the target's (same block tables, same
+slots): every step appends the K/V of every row the target just processed.  Rows past the
+accepted prefix hold stale K/V, but a block only ever attends to positions before its anchor,
+all of which were written by committed tokens, so no rollback write is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.models.drafter import Drafter
+from dspark.models.layers.attention import gather_blocks, write_kv
+from dspark.spec.types import DraftProposal
+from dspark.worker.sampler import SamplingTensors, exponential_noise
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def append_context(drafter: Drafter, kv: KVCaches, aux_hidden: torch.Tensor, positions: torch.Tensor,
+                   write_rows: torch.Tensor | None, write_slots: torch.Tensor) -> None:
+    """aux_hidden [T, m*d_t] of the target rows just run -> each draft layer's context K/V."""
+    h_ctx = drafter.project_context(aux_hidden)                       # [T, d]
+    for (k_cache, v_cache), (k, v) in zip(kv, drafter.context_kv(h_ctx, positions)):
+        write_kv(k_cache, write_rows, write_slots, k)
+        write_kv(v_cache, write_rows, write_slots, v)
+
+
+def propose(drafter: Drafter, kv: KVCaches, anchors: torch.Tensor, starts: torch.Tensor,
+            block_tables: torch.Tensor, block_size: int, st: SamplingTensors) -> DraftProposal:
+    """anchors/starts [R] (x0 and its position), block_tables [R, NB] -> γ drafts per request."""
+    cfg = drafter.config
+    r, slots = anchors.shape[0], cfg.num_block_slots
+    block_ids = torch.full((r, slots), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
+    block_ids[:, 0] = anchors
+    positions = starts[:, None] + torch.arange(slots, device=anchors.device)[None, :]   # [R, S]
+    kv_len = max(int(starts.max()), 1)
+    ctx_k = [gather_blocks(k, block_tables, block_size, kv_len).transpose(1, 2) for k, _ in kv]
+    ctx_v = [gather_blocks(v, block_tables, block_size, kv_len).transpose(1, 2) for _, v in kv]
+    ctx_valid = torch.arange(kv_len, device=anchors.device)[None, :] < starts[:, None]  # [R, L]
+    h_block = drafter.block_forward(block_ids, positions, ctx_k, ctx_v, ctx_valid)    # [R, S, d]
+    h = drafter.draft_hidden(h_block)                                                  # [R, γ, d]
+    state = drafter.init_markov_state(h_block, anchors)
+    return _markov_loop(drafter, h, drafter.base_logits(h), anchors, state, st)
+
+
+def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor,
+                 state: torch.Tensor | None, st: SamplingTensors) -> DraftProposal:
+    """base [R, γ, V_draft]; sample x_k from softmax((U_k + B_k) / T) given x_{k-1}."""
+    cfg = drafter.config
+    gamma = h.shape[1]
+    tokens, probs, conf = [], [], []
+    prev = anchors
+    for k in range(gamma):
+        e = drafter.markov_embed(prev) if cfg.markov_rank > 0 else None
+        logits = base[:, k]
+        if e is not None:
+            bias, state = drafter.markov_bias(e, h[:, k], state)
+            logits = logits + bias.float()
+        logits = drafter.scatter_to_target_vocab(logits)                              # [R, V]
+        if cfg.enable_confidence_head:
+            conf.append(drafter.confidence_logits(h[:, k], e).float())
+        prev, q = _sample_draft(logits, st)
+        tokens.append(prev)
+        probs.append(q)
+    return DraftProposal(tokens=torch.stack(tokens, 1),
+                         probs=None if st.all_greedy else torch.stack(probs, 1),
+                         confidence_logits=torch.stack(conf, 1) if conf else None)
+
+
+def _sample_draft(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Greedy rows take the argmax; the others sample from q = softmax(logits / T) exactly."""
+    greedy = logits.argmax(-1)
+    if st.all_greedy:
+        return greedy, None
+    q = torch.softmax(logits / st.temperature[:, None], dim=-1)
+    sampled = (q / exponential_noise(tuple(q.shape), st.generators, q.device)).argmax(-1)
+    return torch.where(st.greedy, greedy, sampled), q
