@@ -7,7 +7,18 @@ import logging
 import sys
 import time
 
+from dspark.outputs import SpecStats
 from dspark.sampling_params import SamplingParams
+
+
+def format_spec_stats(stats: SpecStats) -> str:
+    if stats.draft_rounds == 0:
+        return "no speculative rounds (plain decoding)"
+    rounds = stats.draft_rounds
+    per_pos = " ".join(f"{n / rounds:.2f}" for n in stats.accepted_per_position)
+    return (f"rounds {rounds}, drafted {stats.drafted_tokens}, verified {stats.verified_tokens}, "
+            f"accepted {stats.accepted_tokens} ({stats.acceptance_rate:.1%} of verified), "
+            f"tau {stats.mean_accepted_length:.2f}, per-position acceptance [{per_pos}]")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,6 +29,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache memory budget in bytes")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--drafter", default=None, help="DSpark drafter folder (speculators or DeepSpec format)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -35,7 +47,7 @@ def _llm(args):
     from dspark.llm import LLM
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads)
+               kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads, drafter=args.drafter)
 
 
 def _params(args) -> SamplingParams:
@@ -56,6 +68,10 @@ def cmd_generate(args) -> None:
         print(f"[{len(out.token_ids)} tokens, finish={out.finish_reason}]", file=sys.stderr)
     total = sum(len(o.token_ids) for o in outs)
     print(f"[{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s]", file=sys.stderr)
+    if args.stats:
+        for out in outs:
+            print(f"[request {out.request_id}] {format_spec_stats(out.spec)}", file=sys.stderr)
+        print(f"[all] {format_spec_stats(llm.engine.spec_stats)}", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:
@@ -98,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: stdin")
     p.add_argument("--echo", action="store_true", help="print the prompt before its completion")
+    p.add_argument("--stats", action="store_true", help="print speculative decoding statistics")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with the model (its chat template applied)")

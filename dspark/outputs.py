@@ -36,6 +36,16 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over verified drafts (trimmed drafts are not rejections)."""
+        return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: tokens committed per round (accepted drafts + the recovered or bonus token)."""
+        return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 0.0
+
 
 @dataclass
 class RequestOutput:

@@ -90,3 +90,14 @@ def test_cli_reports_errors_cleanly(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--top-p", "0"])
+
+
+def test_drafter_for_another_target_is_refused(tmp_path, model_dir):
+    from tiny import save_random_drafter
+    other = tmp_path / "other"
+    save_tiny(str(other), "qwen3", tied=True, vocab=96, num_hidden_layers=3)
+    save_random_drafter(str(tmp_path / "d"), str(other), gamma=2, layer_ids=(0, 1))
+    with pytest.raises(ValueError, match="vocab"):
+        LLM(model_dir, dtype="float32", drafter=str(tmp_path / "d"))
+    with pytest.raises(FileNotFoundError, match="drafter path"):
+        LLM(model_dir, dtype="float32", drafter=str(tmp_path / "missing"))
