@@ -43,10 +43,15 @@ class SchedulerConfig:
 class SpecConfig:
     """Speculative decoding with a DSpark drafter; no drafter means plain decoding."""
     drafter: str | None = None           # drafter folder (speculators or DeepSpec format)
+    sts: str | None = None               # STS calibration JSON for the confidence head
 
     def __post_init__(self) -> None:
         if self.drafter is not None and not os.path.exists(self.drafter):
             raise FileNotFoundError(f"drafter path {self.drafter!r} does not exist")
+        if self.sts is not None and self.drafter is None:
+            raise ValueError("an STS calibration file needs a drafter")
+        if self.sts is not None and not os.path.exists(self.sts):
+            raise FileNotFoundError(f"STS calibration file {self.sts!r} does not exist")
 
 
 @dataclass

@@ -51,6 +51,9 @@ class Engine:
         self.worker = Worker(loaded.model, loaded.config, num_blocks, cache.block_size,
                              config.torch_dtype, self.device, drafter=self.drafter)
         self.spec_stats = SpecStats(accepted_per_position=[0] * gamma)
+        self.sts = self._load_sts(gamma)
+        # (raw confidence logits z_1..z_γ, accepted drafts) of verify-all rounds, when recording
+        self.confidence_records: list[tuple[list[float], int]] | None = None
         eos = list(loaded.config.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
         if self.tokenizer is not None:
             eos = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
@@ -65,6 +68,16 @@ class Engine:
         from dspark.models.drafter_loader import load_drafter
         return load_drafter(self.config.spec.drafter, loaded.config, loaded.model.embed_tokens,
                             loaded.model.lm_head, self.config.torch_dtype)
+
+    def _load_sts(self, gamma: int):
+        if self.config.spec.sts is None:
+            return None
+        from dspark.spec.sts import STSCalibration
+        if not self.drafter.config.enable_confidence_head:
+            raise ValueError("an STS calibration was given but the drafter has no confidence head")
+        sts = STSCalibration.load(self.config.spec.sts)
+        sts.validate(gamma)
+        return sts
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -144,6 +157,7 @@ class Engine:
             tokens = result.tokens[k]
             if s.spec:
                 self._count_spec(seq, s.verify_len, result.num_accepted[k])
+                self._record_confidence(s, result, k)
                 seq.num_computed_tokens += len(tokens)          # anchor + accepted drafts
                 self.block_manager.truncate(seq.block_table, seq.num_computed_tokens + 1)
             else:
@@ -156,6 +170,14 @@ class Engine:
                 self._finish(seq, reason)
             outputs.append(self._output(seq))
         return outputs
+
+    def _record_confidence(self, s, result: StepResult, k: int) -> None:
+        """Only rounds that verified the whole block give a label for every position."""
+        if self.confidence_records is None or result.confidence_logits is None:
+            return
+        if s.verify_len == self.drafter.config.block_size:
+            j = sum(1 for t in result.spec_rows[:k] if t)
+            self.confidence_records.append((result.confidence_logits[j], result.num_accepted[k]))
 
     def _count_spec(self, seq: Sequence, verify_len: int, accepted: int) -> None:
         gamma = self.drafter.config.block_size

@@ -38,6 +38,7 @@ class StepResult:
     tokens: list[list[int]]                       # per sampling chunk: the tokens to commit
     num_accepted: list[int]                       # per sampling chunk: accepted drafts (0 if plain)
     confidence_logits: list[list[float]] | None = None   # per spec chunk: z_k
+    spec_rows: list[bool] | None = None           # per sampling chunk: was it speculative
 
 
 class Worker:
@@ -144,4 +145,5 @@ def _unpack(flat: list[float], spec_flags, plain_idx, spec_idx, proposal) -> Ste
         if proposal.confidence_logits is not None:
             start = base + n_spec * (gamma + 1)
             conf = [flat[start + j * gamma: start + (j + 1) * gamma] for j in range(n_spec)]
-    return StepResult(tokens=tokens, num_accepted=accepted, confidence_logits=conf)
+    return StepResult(tokens=tokens, num_accepted=accepted, confidence_logits=conf,
+                      spec_rows=list(spec_flags))

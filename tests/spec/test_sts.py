@@ -1,0 +1,46 @@
+"""STS: ECE arithmetic, the left-to-right fit, and the file format."""
+
+import pytest
+import torch
+
+from dspark.spec.sts import STSCalibration, calibrate, ece, fit_sts, prefix_labels
+
+
+def test_ece_hand_computed():
+    pred = torch.tensor([0.1, 0.1, 0.9, 0.9])
+    label = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    # bin 0.1: mean pred 0.1, hit rate 0.5 -> |0.2-1| / 4 ; bin 0.9: |1.8-2| / 4
+    assert ece(pred, label) == pytest.approx((0.8 + 0.2) / 4)
+
+
+def test_prefix_labels():
+    assert prefix_labels(torch.tensor([0, 2, 3]), 3).tolist() == [[0, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+def test_fit_recovers_overconfidence():
+    """Labels drawn from σ(z/2) per position: a head reporting σ(z) is over-confident; STS finds ~2."""
+    g = torch.Generator().manual_seed(0)
+    n, gamma = 20000, 3
+    z = torch.randn(n, gamma, generator=g) * 3 + 1
+    accept = torch.rand(n, gamma, generator=g) < torch.sigmoid(z / 2)
+    a = accept.int().cumprod(-1).sum(-1)
+    labels = prefix_labels(a, gamma)
+    temps = fit_sts(z, labels)
+    assert all(1.6 < t < 2.5 for t in temps), temps
+    cal = calibrate(z, labels, sampling_temperature=0.0)
+    assert all(after < before for before, after in zip(cal.ece_before, cal.ece_after))
+    assert max(cal.ece_after) < 0.02
+
+
+def test_file_roundtrip_and_validation(tmp_path):
+    cal = STSCalibration(temperatures=[1.5, 2.0], ece_before=[0.1, 0.2], ece_after=[0.01, 0.02],
+                         num_samples=10)
+    cal.save(str(tmp_path / "sts.json"))
+    back = STSCalibration.load(str(tmp_path / "sts.json"))
+    assert back == cal
+    back.validate(2)
+    with pytest.raises(ValueError, match="γ=3"):
+        back.validate(3)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid STS"):
+        STSCalibration.load(str(tmp_path / "bad.json"))
