@@ -30,6 +30,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache memory budget in bytes")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--drafter", default=None, help="DSpark drafter folder (speculators or DeepSpec format)")
+    p.add_argument("--no-drafter", action="store_true", help="decode plainly (no speculation)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -47,7 +48,8 @@ def _llm(args):
     from dspark.llm import LLM
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads, drafter=args.drafter)
+               kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads,
+               drafter=None if args.no_drafter else args.drafter)
 
 
 def _params(args) -> SamplingParams:

@@ -1,0 +1,346 @@
+"""An asyncio front for the (single-threaded) Engine.
+
+The Engine is not thread-safe and its step is long, blocking CPU/device work, so one dedicated
+thread owns it: it applies queued commands (add, abort), runs `step()` while there is work and
+sleeps on a condition variable when idle.  Running steps off the event loop keeps the HTTP side
+responsive (new requests, disconnects, /metrics) while the model computes.
+
+Outputs travel back to the loop in one `call_soon_threadsafe` per step and land in per-request
+buffers; a reader that falls behind gets the pending outputs merged into one, so slow clients
+cost no extra work.  Nothing here knows about HTTP: errors are typed exceptions the API layer
+maps to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dspark.engine.engine import Engine
+from dspark.outputs import RequestOutput, SpecStats
+from dspark.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server admits; the client should retry later."""
+
+
+class RequestFailed(Exception):
+    """The engine failed while running this request (the server itself keeps serving)."""
+
+
+@dataclass
+class StepReport:
+    """What one engine step did, for metrics (computed in the engine thread)."""
+    seconds: float
+    outputs: list[RequestOutput]
+    spec: SpecStats                      # counters added by this step only
+
+
+@dataclass
+class EngineState:
+    waiting: int                         # queued in the server or the scheduler, not yet running
+    running: int
+    kv_usage: float
+    free_blocks: int
+    num_blocks: int
+
+
+class EngineObserver(Protocol):
+    def on_step(self, report: StepReport) -> None: ...
+
+    def on_state(self, state: EngineState) -> None: ...
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """The outputs of one request, consumed by exactly one reader on the event loop."""
+
+    def __init__(self, request_id: str, owner: AsyncEngine):
+        self.request_id = request_id
+        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.finished = False
+        self._owner = owner
+        self._buffer: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                output = await self._next()
+                self.finished = output.finished
+                yield output
+        finally:
+            self.close()
+
+    async def _next(self) -> RequestOutput:
+        while not self._buffer:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._buffer.popleft()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        while self._buffer and isinstance(self._buffer[0], RequestOutput):
+            item = _merge(item, self._buffer.popleft())
+        return item
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        self._buffer.append(item)
+        self._ready.set()
+
+    def close(self) -> None:
+        """Abort in the engine unless finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Later outputs carry the cumulative text; only the deltas need joining."""
+    return dataclasses.replace(later, new_text=earlier.new_text + later.new_text,
+                               new_token_ids=earlier.new_token_ids + later.new_token_ids)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queue: int | None = 256,
+                 observers: Sequence[EngineObserver] = ()):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.observers = list(observers)
+        self._cond = threading.Condition()
+        self._inbox: list[_Add | _Abort] = []
+        self._inbox_adds = 0             # guarded by _cond, like the two counters below
+        self._in_transit = 0             # adds taken from the inbox, not yet in the scheduler
+        self._engine_waiting = 0
+        self._stopped = False
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle (event loop side) ------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        for stream in list(self._streams.values()):
+            stream.push(RequestFailed("the server is shutting down"))
+        self._streams.clear()
+
+    @property
+    def num_waiting(self) -> int:
+        with self._cond:
+            return self._waiting_locked()
+
+    def _waiting_locked(self) -> int:
+        return self._engine_waiting + self._inbox_adds + self._in_transit
+
+    # ---- requests (event loop side) -------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
+        """Queue a request without waiting; raises QueueFull when too many are waiting."""
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("the engine is not running")
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(request_id, self)
+        with self._cond:
+            if self.max_queue is not None and self._waiting_locked() >= self.max_queue:
+                raise QueueFull(f"{self._waiting_locked()} requests are already waiting "
+                                f"(max_queue={self.max_queue}); retry later")
+            self._streams[request_id] = stream
+            self._inbox.append(_Add(request_id, prompt, params, time.perf_counter()))
+            self._inbox_adds += 1
+            self._cond.notify()
+        return stream
+
+    async def add(self, prompt: str | list[int], params: SamplingParams,
+                  request_id: str | None = None) -> RequestStream:
+        """Submit and wait until the engine accepted the request (ValueError/TypeError if not)."""
+        stream = self.submit(prompt, params, request_id)
+        try:
+            await stream.accepted
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs as the engine produces them; leaving early aborts the request at once."""
+        stream = await self.add(prompt, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's KV blocks at the engine's next turn (it is mid-step now or idle)."""
+        self._streams.pop(request_id, None)
+        with self._cond:
+            self._inbox.append(_Abort(request_id))
+            self._cond.notify()
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException | None]]) -> None:
+        """On the loop: hand engine results to their streams (acceptances carry None)."""
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue                                      # aborted meanwhile
+            if not stream.accepted.done():
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    self._streams.pop(request_id, None)
+                    stream.accepted.set_exception(item)
+                    continue
+                stream.accepted.set_result(None)
+            if item is None:
+                continue
+            stream.push(item)
+            if isinstance(item, BaseException) or item.finished:
+                self._streams.pop(request_id, None)
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        logger.info("engine loop started")
+        while True:
+            commands = self._take(block=not self.engine.has_unfinished)
+            if commands is None:
+                break
+            try:
+                self._apply(commands)
+                if self.engine.has_unfinished:
+                    self._step()
+                self._publish_state()
+            except Exception:                                 # never let the loop die silently
+                logger.exception("unexpected error in the engine loop")
+                self._fail_in_flight(RequestFailed("internal error in the engine loop"), waiting=True)
+        logger.info("engine loop stopped")
+
+    def _take(self, block: bool) -> list[_Add | _Abort] | None:
+        with self._cond:
+            while block and not self._inbox and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                return None
+            commands, self._inbox = self._inbox, []
+            self._in_transit, self._inbox_adds = self._inbox_adds, 0
+            return commands
+
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        results: list[tuple[str, RequestOutput | BaseException | None]] = []
+        for command in commands:
+            if isinstance(command, _Abort):
+                self.engine.abort(command.request_id)
+                continue
+            try:
+                self.engine.add_request(command.prompt, command.params, command.request_id,
+                                        arrival_time=command.arrival_time)
+                results.append((command.request_id, None))
+            except (ValueError, TypeError) as exc:
+                results.append((command.request_id, exc))
+            except Exception as exc:
+                logger.exception("adding request %s failed", command.request_id)
+                results.append((command.request_id, RequestFailed(f"could not add the request: {exc}")))
+        with self._cond:
+            self._in_transit = 0
+            self._engine_waiting = len(self.engine.scheduler.waiting)
+        self._send(results)
+
+    def _step(self) -> None:
+        before = dataclasses.replace(self.engine.spec_stats,
+                                     accepted_per_position=list(self.engine.spec_stats.accepted_per_position))
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests it was running")
+            self._fail_in_flight(RequestFailed(f"the engine failed while running this request: {exc}"),
+                                 waiting=False)
+            return
+        report = StepReport(time.perf_counter() - start, outputs, _spec_delta(before, self.engine.spec_stats))
+        self._send([(out.request_id, out) for out in outputs])
+        self._notify(lambda obs: obs.on_step(report))
+
+    def _fail_in_flight(self, error: RequestFailed, waiting: bool) -> None:
+        """Abort (and free) the requests a failure may have touched; untouched waiting ones stay."""
+        untouched = set() if waiting else {s.request_id for s in self.engine.scheduler.waiting
+                                           if s.num_computed_tokens == 0}
+        failed = [rid for rid in list(self.engine.requests) if rid not in untouched]
+        for request_id in failed:
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                logger.exception("aborting %s after a failure failed too", request_id)
+        self._send([(request_id, error) for request_id in failed])
+
+    def _publish_state(self) -> None:
+        with self._cond:
+            self._engine_waiting = len(self.engine.scheduler.waiting)
+            waiting = self._waiting_locked()
+        blocks = self.engine.block_manager
+        state = EngineState(waiting, len(self.engine.scheduler.running), blocks.usage,
+                            blocks.num_free_blocks, blocks.num_blocks)
+        self._notify(lambda obs: obs.on_state(state))
+
+    def _notify(self, call: Callable[[EngineObserver], None]) -> None:
+        for observer in self.observers:
+            try:
+                call(observer)
+            except Exception:
+                logger.exception("engine observer %r failed", observer)
+
+    def _send(self, items: list[tuple[str, RequestOutput | BaseException | None]]) -> None:
+        if not items or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, items)
+        except RuntimeError:                                  # the loop is closed: shutting down
+            logger.debug("dropping %d results after the event loop closed", len(items))
+
+
+def _spec_delta(before: SpecStats, after: SpecStats) -> SpecStats:
+    positions = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0)
+                 for i, a in enumerate(after.accepted_per_position)]
+    return SpecStats(draft_rounds=after.draft_rounds - before.draft_rounds,
+                     drafted_tokens=after.drafted_tokens - before.drafted_tokens,
+                     verified_tokens=after.verified_tokens - before.verified_tokens,
+                     accepted_tokens=after.accepted_tokens - before.accepted_tokens,
+                     accepted_per_position=positions)
+
+
+__all__ = ["AsyncEngine", "EngineObserver", "EngineState", "QueueFull", "RequestFailed",
+           "RequestStream", "StepReport"]
