@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system message")
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("demo", help="the embedded model on a few prompts, with speeds")
+    p = sub.add_parser("demo", help="plain decoding and DSpark side by side, with speeds")
     _engine_args(p)
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)

@@ -39,13 +39,33 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
 
+EMBEDDED = "embedded"     # the drafter shipped for the embedded target
+EMBEDDED_DRAFTER_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm2-135m-instruct-dspark")
+
+
 @dataclass
 class SpecConfig:
     """Speculative decoding with a DSpark drafter; no drafter means plain decoding."""
-    drafter: str | None = None           # drafter folder (speculators or DeepSpec format)
+    drafter: str | None = None           # drafter folder (speculators or DeepSpec format) or "embedded"
     sts: str | None = None               # STS calibration JSON for the confidence head
 
+    def resolve_embedded(self, model: str | None) -> None:
+        """"embedded" names the shipped drafter (and its calibration) of the embedded target."""
+        if self.drafter != EMBEDDED:
+            return
+        if model is not None:
+            raise ValueError("the embedded drafter belongs to the embedded target; pass drafter=None "
+                             "or a drafter trained for this model")
+        if not os.path.isdir(EMBEDDED_DRAFTER_DIR):
+            raise FileNotFoundError(f"the embedded drafter is missing from {EMBEDDED_DRAFTER_DIR}")
+        self.drafter = EMBEDDED_DRAFTER_DIR
+        sts = os.path.join(EMBEDDED_DRAFTER_DIR, "sts.json")
+        if self.sts is None and os.path.isfile(sts):
+            self.sts = sts
+
     def __post_init__(self) -> None:
+        if self.drafter == EMBEDDED:
+            return
         if self.drafter is not None and not os.path.exists(self.drafter):
             raise FileNotFoundError(f"drafter path {self.drafter!r} does not exist")
         if self.sts is not None and self.drafter is None:
@@ -71,6 +91,7 @@ class EngineConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.model is not None and not os.path.exists(self.model):
             raise FileNotFoundError(f"model path {self.model!r} does not exist")
+        self.spec.resolve_embedded(self.model)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

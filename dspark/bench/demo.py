@@ -1,6 +1,7 @@
-"""`dspark demo`: the embedded model answering a few chat and code prompts, with its speed.
+"""`dspark demo`: the embedded pair on chat and code prompts, plain and DSpark side by side.
 
-Speculative decoding joins this demo (side by side with plain decoding) once a drafter ships.
+Both engines decode greedily, so DSpark must print exactly the plain text; the demo checks that
+and reports tokens/s for both, the speed-up, τ and per-position acceptance.
 """
 
 from __future__ import annotations
@@ -10,22 +11,48 @@ import time
 from dspark.bench.prompts import CHAT, CODE
 
 
+def _prompts(tok) -> list[tuple[str, list[int]]]:
+    chat = [(p, tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
+                           add_special_tokens=False)) for p in CHAT[:2]]
+    code = [(p, tok.encode(p)) for p in CODE[:2]]
+    return chat + code
+
+
+def _timed(llm, ids, params):
+    start = time.perf_counter()
+    out = llm.generate([ids], params)[0]
+    return out, time.perf_counter() - start
+
+
 def run_demo(args) -> None:
     from dspark import LLM, SamplingParams
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads)
-    tok = llm.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT[:2]] + CODE[:2]
-    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    from dspark.cli import format_spec_stats
+    plain = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=None)
+    spec = None if args.no_drafter else LLM(args.model, dtype=args.dtype, num_threads=args.threads,
+                                             drafter=args.drafter or "embedded")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llm.generate(ids[:1], SamplingParams(temperature=0, max_tokens=4))        # warm-up
-    print("== plain decoding (target only), batch 1, greedy ==")
-    total_tokens, total_time = 0, 0.0
-    for text, p in zip(CHAT[:2] + CODE[:2], ids):
-        start = time.perf_counter()
-        out = llm.generate([p], params)[0]
-        elapsed = time.perf_counter() - start
-        total_tokens += len(out.token_ids)
-        total_time += elapsed
-        print(f"\n>>> {text.strip()}\n{out.text.strip()}")
-        print(f"    [{len(out.token_ids)} tokens, {len(out.token_ids) / elapsed:.1f} tokens/s]")
-    print(f"\nplain decoding: {total_tokens / total_time:.1f} tokens/s over {total_tokens} tokens")
+    prompts = _prompts(plain.tokenizer)
+    for llm in filter(None, (plain, spec)):
+        llm.generate([prompts[0][1]], SamplingParams(temperature=0, max_tokens=8))   # warm-up
+        llm.engine.reset_spec_stats()
+    totals = {"plain": [0, 0.0], "dspark": [0, 0.0]}
+    for text, ids in prompts:
+        ref, t_plain = _timed(plain, ids, params)
+        totals["plain"][0] += len(ref.token_ids)
+        totals["plain"][1] += t_plain
+        print(f"\n>>> {text.strip()}\n{ref.text.strip()}")
+        line = f"    plain {len(ref.token_ids) / t_plain:.1f} tokens/s"
+        if spec is not None:
+            out, t_spec = _timed(spec, ids, params)
+            totals["dspark"][0] += len(out.token_ids)
+            totals["dspark"][1] += t_spec
+            same = "identical" if out.token_ids == ref.token_ids else "DIFFERENT (a bug)"
+            line += (f" | DSpark {len(out.token_ids) / t_spec:.1f} tokens/s "
+                     f"({t_plain / t_spec:.2f}x), output {same}, tau {out.spec.mean_accepted_length:.2f}")
+        print(line)
+    plain_tps = totals["plain"][0] / totals["plain"][1]
+    print(f"\nplain decoding: {plain_tps:.1f} tokens/s")
+    if spec is not None:
+        spec_tps = totals["dspark"][0] / totals["dspark"][1]
+        print(f"DSpark:         {spec_tps:.1f} tokens/s, speed-up {spec_tps / plain_tps:.2f}x")
+        print(f"DSpark rounds:  {format_spec_stats(spec.engine.spec_stats)}")

@@ -69,6 +69,9 @@ class Engine:
         return load_drafter(self.config.spec.drafter, loaded.config, loaded.model.embed_tokens,
                             loaded.model.lm_head, self.config.torch_dtype)
 
+    def reset_spec_stats(self) -> None:
+        self.spec_stats = SpecStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))
+
     def _load_sts(self, gamma: int):
         if self.config.spec.sts is None:
             return None

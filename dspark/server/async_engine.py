@@ -161,6 +161,10 @@ class AsyncEngine:
         self._streams.clear()
 
     @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def num_waiting(self) -> int:
         with self._cond:
             return self._waiting_locked()
@@ -172,7 +176,7 @@ class AsyncEngine:
     def submit(self, prompt: str | list[int], params: SamplingParams,
                request_id: str | None = None) -> RequestStream:
         """Queue a request without waiting; raises QueueFull when too many are waiting."""
-        if self._thread is None or not self._thread.is_alive():
+        if not self.is_running:
             raise RuntimeError("the engine is not running")
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self)
@@ -333,12 +337,16 @@ class AsyncEngine:
 
 
 def _spec_delta(before: SpecStats, after: SpecStats) -> SpecStats:
-    positions = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0)
+    """Counters one step added (clamped at zero should the totals be reset meanwhile)."""
+    def diff(a: int, b: int) -> int:
+        return max(0, a - b)
+
+    positions = [diff(a, before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0)
                  for i, a in enumerate(after.accepted_per_position)]
-    return SpecStats(draft_rounds=after.draft_rounds - before.draft_rounds,
-                     drafted_tokens=after.drafted_tokens - before.drafted_tokens,
-                     verified_tokens=after.verified_tokens - before.verified_tokens,
-                     accepted_tokens=after.accepted_tokens - before.accepted_tokens,
+    return SpecStats(draft_rounds=diff(after.draft_rounds, before.draft_rounds),
+                     drafted_tokens=diff(after.drafted_tokens, before.drafted_tokens),
+                     verified_tokens=diff(after.verified_tokens, before.verified_tokens),
+                     accepted_tokens=diff(after.accepted_tokens, before.accepted_tokens),
                      accepted_per_position=positions)
 
 

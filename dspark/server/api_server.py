@@ -1,0 +1,286 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncEngine.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming or not), GET /v1/models,
+POST /tokenize, GET /health, GET /metrics.  Every error answers with an OpenAI error body; see
+`errors.py` for the shape.  Status codes: 400 bad input (types, values, unsupported parameters,
+prompt over the context, chat template errors), 404 unknown model or route, 429 queue full,
+500 engine failure, 503 engine not running; a client that leaves gets its requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from dspark.config import EngineConfig
+from dspark.engine.engine import Engine
+from dspark.sampling_params import SamplingParams
+from dspark.server.async_engine import AsyncEngine, QueueFull, RequestFailed, RequestStream
+from dspark.server.errors import APIError, install_error_handlers
+from dspark.server.metrics import RequestCounter, ServerMetrics
+from dspark.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                    ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+                                    CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
+                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from dspark.server.serving import (ChunkBuilder, chat_prompt, check_chat, check_completion, collect,
+                                   completion_prompts, sampling_params, spec_info, stream_sse, usage)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streaming) answer was ready."""
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always watches for the client leaving and then closes the body.
+
+    Closing the body generator runs its `finally`, which aborts the engine requests at once, so
+    a disconnected client frees its KV blocks even while no output is being produced.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:   # type: ignore[override]
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()                  # type: ignore[attr-defined]
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (and so aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGone()
+    return task.result()
+
+
+class ServerState:
+    """What the routes share: the engine front, the served name and the metrics."""
+
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics):
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                           f"'{self.served_model_name}'", param="model", code="model_not_found")
+
+    async def submit(self, prompts: list[str | list[int]], params: SamplingParams, base_id: str,
+                     prompt_param: str) -> list[RequestStream]:
+        """Queue every prompt and wait until the engine accepted them all (or none)."""
+        streams: list[RequestStream] = []
+        try:
+            for index, prompt in enumerate(prompts):
+                streams.append(self.async_engine.submit(prompt, params, f"{base_id}-{index}"))
+            results = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
+            error = next((r for r in results if isinstance(r, BaseException)), None)
+            if error is not None:
+                raise error
+        except BaseException as exc:
+            for stream in streams:
+                stream.close()
+            raise _as_api_error(exc, prompt_param) from exc
+        return streams
+
+
+def _as_api_error(exc: BaseException, prompt_param: str) -> BaseException:
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), code="queue_full")
+    if isinstance(exc, (ValueError, TypeError)):
+        return APIError(400, str(exc), param=prompt_param, code="invalid_prompt")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, RuntimeError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    return exc
+
+
+def default_served_name(model: str | None) -> str:
+    if model is None:
+        from dspark.models.gguf import default_model_path
+        model = default_model_path()
+    name = os.path.basename(model.rstrip("/"))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def build_app(engine: Engine | EngineConfig, served_model_name: str | None = None,
+              max_queue: int | None = 256) -> FastAPI:
+    """The app owns an engine thread from startup to shutdown (FastAPI lifespan)."""
+    if isinstance(engine, EngineConfig):
+        engine = Engine(engine)
+    gamma = engine.drafter.config.block_size if engine.drafter is not None else 0
+    metrics = ServerMetrics(gamma)
+    state = ServerState(AsyncEngine(engine, max_queue, observers=[metrics]),
+                        served_model_name or default_served_name(engine.config.model), metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.async_engine.start()
+        logger.info("serving %s (max_model_len=%d, gamma=%d)", state.served_model_name,
+                    engine.max_model_len, gamma)
+        try:
+            yield
+        finally:
+            await state.async_engine.stop()
+
+    app = FastAPI(title="dspark", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    _add_routes(app, state, gamma)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not state.async_engine.is_running:
+            raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=state.served_model_name, max_model_len=state.engine.max_model_len,
+                         speculative=gamma > 0, gamma=gamma)
+        return ModelList(data=[card])
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        state.check_model(body.model)
+        if state.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="prompt")
+        ids = state.engine.tokenizer.encode(body.prompt)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.engine.max_model_len)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        state.check_model(body.model)
+        check_completion(body)
+        max_tokens = body.max_tokens if body.max_tokens is not None else state.engine.max_model_len
+        params = sampling_params(body, max_tokens, "max_tokens")
+        prompts = completion_prompts(body)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await state.submit(prompts, params, request_id, "prompt")
+        if body.stream:
+            builder = _completion_chunks(request_id, state.served_model_name)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return SSEResponse(stream_sse(streams, params.stop, builder, include_usage))
+        finals = await _collect(request, streams)
+        choices = [CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason,
+                                    stop_reason=o.stop_reason) for i, o in enumerate(finals)]
+        return CompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
+                                  usage=usage(finals), dspark=spec_info([o.spec for o in finals]))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        state.check_model(body.model)
+        check_chat(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        params = sampling_params(body, max_tokens if max_tokens is not None else state.engine.max_model_len,
+                                 param)
+        prompt = chat_prompt(body, state.engine.tokenizer)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await state.submit([prompt], params, request_id, "messages")
+        if body.stream:
+            builder = _chat_chunks(request_id, state.served_model_name)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return SSEResponse(stream_sse(streams, params.stop, builder, include_usage))
+        final = (await _collect(request, streams))[0]
+        choice = ChatChoice(index=0, message=AssistantMessage(content=final.text),
+                            finish_reason=final.finish_reason, stop_reason=final.stop_reason)
+        return ChatCompletionResponse(id=request_id, model=state.served_model_name, choices=[choice],
+                                      usage=usage([final]), dspark=spec_info([final.spec]))
+
+
+async def _collect(request: Request, streams: list[RequestStream]):
+    try:
+        return await unless_disconnected(request, collect(streams))
+    except ClientGone:
+        logger.info("client left before its answer was ready; aborted %d request(s)", len(streams))
+        raise
+
+
+async def _client_gone(request: Request, exc: ClientGone) -> Response:
+    return Response(status_code=499)       # nobody reads it; the nginx convention for the log
+
+
+def _completion_chunks(request_id: str, model: str) -> ChunkBuilder:
+    created = int(time.time())
+
+    def make(index: int, text: str, final) -> CompletionChunk:
+        choice = CompletionChoice(index=index, text=text, finish_reason=final and final.finish_reason,
+                                  stop_reason=final and final.stop_reason)
+        return CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
+                               dspark=spec_info([final.spec]) if final else None)
+
+    def make_usage(finals) -> CompletionChunk:
+        return CompletionChunk(id=request_id, created=created, model=model, choices=[],
+                               usage=usage(finals), dspark=spec_info([o.spec for o in finals]))
+
+    return ChunkBuilder(make, make_usage)
+
+
+def _chat_chunks(request_id: str, model: str) -> ChunkBuilder:
+    created = int(time.time())
+
+    def first(index: int) -> ChatCompletionChunk:
+        delta = DeltaMessage(role="assistant", content="")
+        return ChatCompletionChunk(id=request_id, created=created, model=model,
+                                   choices=[ChatChunkChoice(index=index, delta=delta)])
+
+    def make(index: int, text: str, final) -> ChatCompletionChunk:
+        delta = DeltaMessage(content=text) if text else DeltaMessage()
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=final and final.finish_reason)
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
+                                   dspark=spec_info([final.spec]) if final else None)
+
+    def make_usage(finals) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                   usage=usage(finals), dspark=spec_info([o.spec for o in finals]))
+
+    return ChunkBuilder(make, make_usage, first)

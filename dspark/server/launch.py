@@ -1,0 +1,112 @@
+"""Starting the server: `dspark serve` arguments, uvicorn in the foreground or a background thread."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:                       # keep `dspark --help` free of the server dependencies
+    from fastapi import FastAPI
+
+    from dspark.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# (flag, argparse keywords): the engine options every `dspark` command shares.  They are added
+# only where the parser does not have them yet, so these helpers compose with the CLI's own.
+ENGINE_ARGS: list[tuple[str, dict]] = [
+    ("--model", dict(default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")),
+    ("--dtype", dict(default="bfloat16", choices=["bfloat16", "float32", "float16"])),
+    ("--max-model-len", dict(type=int, default=None)),
+    ("--max-num-seqs", dict(type=int, default=64)),
+    ("--max-num-batched-tokens", dict(type=int, default=2048)),
+    ("--kv-cache-bytes", dict(type=int, default=None, help="KV cache memory budget in bytes")),
+    ("--threads", dict(type=int, default=None)),
+    ("--drafter", dict(default=None, help="DSpark drafter folder (speculators or DeepSpec format)")),
+    ("--no-drafter", dict(action="store_true", help="decode plainly (no speculation)")),
+    ("--sts", dict(default=None, help="STS calibration JSON for the drafter's confidence head")),
+]
+
+
+def add_missing_argument(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
+    if flag not in parser._option_string_actions:      # argparse has no public lookup
+        parser.add_argument(flag, **kwargs)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    for flag, kwargs in ENGINE_ARGS:
+        add_missing_argument(parser, flag, **kwargs)
+    add_missing_argument(parser, "--host", default="127.0.0.1")
+    add_missing_argument(parser, "--port", type=int, default=8000)
+    add_missing_argument(parser, "--served-model-name", default=None,
+                         help="model name clients send (default: the model file or folder name)")
+    add_missing_argument(parser, "--max-queue", type=int, default=256,
+                         help="waiting requests beyond this are refused with HTTP 429")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
+    from dspark.llm import build_config
+    return build_config(model=getattr(args, "model", None), dtype=getattr(args, "dtype", "bfloat16"),
+                        drafter=None if getattr(args, "no_drafter", False) else getattr(args, "drafter", None),
+                        sts=getattr(args, "sts", None),
+                        max_model_len=getattr(args, "max_model_len", None),
+                        max_num_seqs=getattr(args, "max_num_seqs", 64),
+                        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
+                        kv_cache_bytes=getattr(args, "kv_cache_bytes", None),
+                        num_threads=getattr(args, "threads", None))
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """`dspark serve`: load the engine first (errors surface before binding), then serve."""
+    import uvicorn
+
+    from dspark.server.api_server import build_app
+    app = build_app(engine_config_from_args(args), served_model_name=args.served_model_name,
+                    max_queue=args.max_queue)
+    level = "info" if logging.getLogger().isEnabledFor(logging.INFO) else "warning"
+    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
+
+
+class ServerThread:
+    """uvicorn serving `app` from a background thread on a loopback port (port 0: any free one)."""
+
+    def __init__(self, app: "FastAPI", host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+        self.app = app
+        self.host = host
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="dspark-uvicorn", daemon=True)
+        self.port = port
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (see the log above)")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        logger.info("serving on %s", self.url)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,266 @@
+"""Training data: the target's own responses to local prompts, stored as token shards.
+
+DSpark trains the drafter on text the target itself wrote (reference/dspark_algorithm.md §5.1):
+the drafter must predict the target, not a human corpus. So the prompts (dspark/train/prompts.py)
+go through our engine, and each finished request becomes one sequence `prompt + response` with a
+loss mask over the response tokens only (the end-of-turn token included: the drafter has to
+predict it too).
+
+Generation is chunked: every `chunk_size` prompts become one shard file written atomically, and a
+rerun skips every prompt whose uid is already in a shard, so an interrupted run resumes where it
+stopped. A manifest pins the settings; resuming with different ones is an error, not a mix.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from dspark.train.prompts import Prompt, build_prompts, is_heldout
+
+logger = logging.getLogger(__name__)
+
+SHARD_VERSION = 1
+MANIFEST = "manifest.json"
+# settings that change what a shard holds; resuming with other values is refused
+PINNED = ("seed", "heldout_fraction", "chat_fraction", "max_tokens", "temperature", "top_p",
+          "max_prompt_tokens", "model", "dtype")
+
+
+@dataclass
+class GenerateConfig:
+    data_dir: str
+    num_prompts: int = 4000
+    seed: int = 0
+    heldout_fraction: float = 0.05    # by prompt source, see prompts.is_heldout
+    chat_fraction: float = 0.5        # the rest is code, half raw completion, half chat
+    max_tokens: int = 192             # response length cap
+    temperature: float = 0.7          # DeepSpec regenerates at 0.7 / top-p 0.8 (§5.1)
+    top_p: float = 0.8
+    max_prompt_tokens: int = 384      # longer prompts are skipped (keeps sequences <= 576)
+    chunk_size: int = 256             # prompts per shard (the resume granularity)
+    max_num_seqs: int = 64            # engine batch
+    model: str | None = None          # None = the embedded SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class EncodedPrompt:
+    uid: str
+    group: str
+    kind: str
+    heldout: bool
+    ids: list[int]          # prompt token ids, chat template applied where the kind needs it
+
+
+@dataclass
+class Sample:
+    tokens: torch.Tensor       # [S] int64: prompt + response
+    loss_mask: torch.Tensor    # [S] bool: True on response tokens
+    kind: str
+
+
+# ---- prompts -> token ids -----------------------------------------------------------------------
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Chat kinds get the target's chat template (default system message); raw code does not."""
+    if prompt.kind == "code_raw":
+        return tokenizer.encode(prompt.text, add_special_tokens=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[Prompt], cfg: GenerateConfig) -> list[EncodedPrompt]:
+    out, skipped = [], 0
+    for p in prompts:
+        ids = encode_prompt(tokenizer, p)
+        if len(ids) > cfg.max_prompt_tokens:
+            skipped += 1
+            continue
+        out.append(EncodedPrompt(p.uid, p.group, p.kind,
+                                 is_heldout(p.group, cfg.heldout_fraction, cfg.seed), ids))
+    if skipped:
+        logger.info("skipped %d prompts longer than %d tokens", skipped, cfg.max_prompt_tokens)
+    return out
+
+
+# ---- shards ------------------------------------------------------------------------------------
+
+def shard_paths(data_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(data_dir, "shard_*.pt")))
+
+
+def atomic_save(obj, path: str) -> None:
+    """torch.save to a temporary name, then rename: a crash never leaves a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_shard(path: str, prompts: Sequence[EncodedPrompt], responses: Sequence[list[int]],
+                finish_reasons: Sequence[str | None]) -> None:
+    tokens, masks, offsets = [], [], [0]
+    for p, resp in zip(prompts, responses):
+        tokens.extend(p.ids + list(resp))
+        masks.extend([False] * len(p.ids) + [True] * len(resp))
+        offsets.append(len(tokens))
+    atomic_save({
+        "version": SHARD_VERSION,
+        "uids": [p.uid for p in prompts], "groups": [p.group for p in prompts],
+        "kinds": [p.kind for p in prompts],
+        "heldout": torch.tensor([p.heldout for p in prompts], dtype=torch.bool),
+        "tokens": torch.tensor(tokens, dtype=torch.int32),          # [sum S]
+        "loss_mask": torch.tensor(masks, dtype=torch.bool),          # [sum S]
+        "offsets": torch.tensor(offsets, dtype=torch.long),          # [N+1]
+        "finish_reasons": list(finish_reasons),
+    }, path)
+
+
+def read_shard(path: str) -> dict:
+    shard = torch.load(path, weights_only=True)
+    if shard.get("version") != SHARD_VERSION:
+        raise ValueError(f"{path}: shard version {shard.get('version')} != {SHARD_VERSION}")
+    return shard
+
+
+def done_uids(data_dir: str) -> set[str]:
+    return {uid for path in shard_paths(data_dir) for uid in read_shard(path)["uids"]}
+
+
+def _check_manifest(cfg: GenerateConfig) -> None:
+    """Write the manifest on the first run; refuse to resume with different settings."""
+    path = os.path.join(cfg.data_dir, MANIFEST)
+    pinned = {k: getattr(cfg, k) for k in PINNED}
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f).get("pinned", {})
+        diff = {k: (old.get(k), v) for k, v in pinned.items() if old.get(k) != v}
+        if diff:
+            raise ValueError(f"{cfg.data_dir} was generated with other settings "
+                             f"(field: (existing, requested)) {diff}; use another --data-dir")
+        return
+    os.makedirs(cfg.data_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"pinned": pinned, "config": asdict(cfg)}, f, indent=2)
+
+
+# ---- generation --------------------------------------------------------------------------------
+
+def sampling_params(cfg: GenerateConfig):
+    from dspark.sampling_params import SamplingParams
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens)
+
+
+def generate_shards(llm, prompts: Sequence[EncodedPrompt], cfg: GenerateConfig) -> int:
+    """Generate the responses of every prompt not yet in a shard; returns prompts generated.
+
+    Each request carries a seed derived from its uid, so a response does not depend on which
+    other prompts share its batch: a resumed run writes what an uninterrupted one would have.
+    """
+    _check_manifest(cfg)
+    done = done_uids(cfg.data_dir)
+    todo = [p for p in prompts if p.uid not in done]
+    base = sampling_params(cfg)
+    next_index = len(shard_paths(cfg.data_dir))
+    logger.info("%d prompts, %d already generated, %d to go", len(prompts), len(prompts) - len(todo),
+                len(todo))
+    start, new_tokens = time.perf_counter(), 0
+    bar = tqdm(total=len(todo), desc="generate", unit="prompt")
+    for lo in range(0, len(todo), cfg.chunk_size):
+        chunk = todo[lo:lo + cfg.chunk_size]
+        params = [_seeded(base, p.uid, cfg.seed) for p in chunk]
+        outs = llm.generate([p.ids for p in chunk], params)
+        write_shard(os.path.join(cfg.data_dir, f"shard_{next_index:05d}.pt"), chunk,
+                    [o.token_ids for o in outs], [o.finish_reason for o in outs])
+        next_index += 1
+        new_tokens += sum(len(o.token_ids) for o in outs)
+        bar.update(len(chunk))
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+    bar.close()
+    return len(todo)
+
+
+def _seeded(base, uid: str, seed: int):
+    import dataclasses
+    import hashlib
+    request_seed = int.from_bytes(hashlib.sha256(f"{seed}:{uid}".encode()).digest()[:4], "big")
+    return dataclasses.replace(base, seed=request_seed)
+
+
+def generate_data(cfg: GenerateConfig) -> int:
+    """Build the prompt list, run the target over the missing ones, write shards."""
+    from dspark.llm import LLM
+    llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+              max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 1)
+    if llm.tokenizer is None:
+        raise ValueError("data generation needs a target with a tokenizer (and chat template)")
+    prompts = build_prompts(cfg.num_prompts, cfg.seed, cfg.chat_fraction)
+    return generate_shards(llm, encode_prompts(llm.tokenizer, prompts, cfg), cfg)
+
+
+# ---- reading back ------------------------------------------------------------------------------
+
+def load_samples(data_dir: str, heldout: bool, max_len: int = 1024,
+                 min_loss_tokens: int = 4) -> list[Sample]:
+    """The train (heldout=False) or held-out sequences, truncated to `max_len` tokens.
+
+    Sequences with fewer than `min_loss_tokens` response tokens left are dropped: they hold
+    almost no anchors (DeepSpec drops samples under 14 loss tokens for the same reason).
+    """
+    out = []
+    for path in shard_paths(data_dir):
+        shard = read_shard(path)
+        offsets = shard["offsets"].tolist()
+        for i, kind in enumerate(shard["kinds"]):
+            if bool(shard["heldout"][i]) != heldout:
+                continue
+            lo, hi = offsets[i], min(offsets[i + 1], offsets[i] + max_len)
+            mask = shard["loss_mask"][lo:hi].clone()
+            if int(mask.sum()) >= min_loss_tokens:
+                out.append(Sample(shard["tokens"][lo:hi].long(), mask, kind))
+    return out
+
+
+class EpochSampler:
+    """Sequence indices in a fresh seeded permutation per epoch; its cursor is checkpointed."""
+
+    def __init__(self, num_items: int, seed: int):
+        if num_items < 1:
+            raise ValueError("no training sequences: generate data first (--generate-data)")
+        self.num_items, self.seed = num_items, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num_items, generator=g).tolist()
+
+    def next_batch(self, size: int) -> list[int]:
+        out = []
+        while len(out) < size:
+            if self.pos >= self.num_items:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._permutation()
+            take = min(size - len(out), self.num_items - self.pos)
+            out.extend(self._order[self.pos:self.pos + take])
+            self.pos += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "num_items": self.num_items}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_items"] != self.num_items:
+            raise ValueError(f"the checkpoint was trained on {state['num_items']} sequences but "
+                             f"the data now holds {self.num_items}; resume with the same data")
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._permutation()

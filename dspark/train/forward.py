@@ -1,0 +1,174 @@
+"""One training forward: target features -> drafter blocks -> loss and diagnostics.
+
+The drafter runs through exactly the modules inference uses (`project_context`, `context_kv`,
+`block_forward`, `base_logits`, `markov_bias`, `confidence_logits`), so a trained checkpoint
+cannot be fed a layout it never saw. All blocks of a batch go through one `block_forward`: each
+block gathers its own sequence's context K/V (computed once per token, like the engine's cache)
+with ctx_valid[n] = positions < its anchor (reference/dspark_algorithm.md §3.3, §5.2).
+
+Vocabulary-sized tensors are built only for supervised slots, in slot-major order (all slot-0
+rows, then slot 1, ...), which is the order the rnn head's left-to-right loop produces them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.models.drafter import Drafter
+from dspark.train.features import TargetFeatureExtractor
+from dspark.train.loss import (BlockBatch, LossOutput, LossWeights, dspark_loss,
+                               expected_accept_length, per_position_mean, position_weights)
+
+
+@dataclass
+class StepMetrics:
+    accept: torch.Tensor          # [γ] mean c* per slot (acceptance estimate at T = 1)
+    greedy_match: torch.Tensor    # [γ] argmax(draft) == argmax(target) rate per slot
+    confidence: torch.Tensor      # [γ] mean sigmoid(z) per slot (0 without a head)
+    slot_counts: torch.Tensor     # [γ] supervised slots per position (to pool batches)
+    weight_sum: float             # Σ w over supervised slots (to pool the loss terms)
+    supervised_slots: int         # M
+    tokens: int                   # T: target tokens processed
+
+
+@dataclass
+class SupervisedSlots:
+    """(block, slot) pairs of the supervised slots in slot-major order, M of them."""
+    blocks: torch.Tensor          # [M] block index n
+    slots: torch.Tensor           # [M] slot index k
+    teacher_rows: torch.Tensor    # [U] distinct target rows needing teacher logits (sorted)
+    teacher_index: torch.Tensor   # [M] row of each slot in teacher_rows
+
+
+def supervised_slots(batch: BlockBatch) -> SupervisedSlots:
+    slots, blocks = batch.supervised.t().nonzero(as_tuple=True)
+    rows, index = torch.unique(batch.teacher_rows[blocks, slots], return_inverse=True)
+    return SupervisedSlots(blocks, slots, rows, index)
+
+
+def block_context(drafter: Drafter, aux_hidden: torch.Tensor,
+                  batch: BlockBatch) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """aux [T, m*d] -> per draft layer ctx K/V [N, L, KVH, D] and ctx_valid [N, L].
+
+    L is the furthest anchor: no block may see its anchor's own (not yet computed) features.
+    """
+    lengths = batch.seq_offsets[1:] - batch.seq_offsets[:-1]
+    positions = torch.arange(batch.tokens.shape[0]) - torch.repeat_interleave(batch.seq_offsets[:-1], lengths)
+    h_ctx = drafter.project_context(aux_hidden)                                   # [T, d]
+    kv = drafter.context_kv(h_ctx, positions.to(h_ctx.device))                    # per layer [T, KVH, D]
+    width = max(int(batch.anchor_pos.max()), 1)
+    j = torch.arange(width)
+    gather = (batch.seq_offsets[batch.seq_index][:, None] + j).clamp(max=batch.tokens.shape[0] - 1)
+    valid = j[None, :] < batch.anchor_pos[:, None]                                # [N, L]
+    dev = h_ctx.device
+    gather = gather.to(dev)
+    return [k[gather] for k, _ in kv], [v[gather] for _, v in kv], valid.to(dev)
+
+
+def draft_logits(drafter: Drafter, h_block: torch.Tensor, batch: BlockBatch,
+                 sel: SupervisedSlots) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Corrected logits U + B [M, V] fp32 and confidence logits [M] at the supervised slots."""
+    cfg = drafter.config
+    h = drafter.draft_hidden(h_block)                                             # [N, γ, d]
+    dev = h.device
+    blocks, slots = sel.blocks.to(dev), sel.slots.to(dev)
+    h_sel = h[blocks, slots]                                                      # [M, d]
+    logits = drafter.base_logits(h_sel)                                           # [M, V]
+    e = None
+    if cfg.markov_rank > 0:
+        prev = batch.prev_ids.to(dev)
+        e = drafter.markov_embed(prev[blocks, slots])                             # [M, r]
+        if cfg.markov_head_type == "rnn":
+            bias = _rnn_bias(drafter, h_block, h, prev, batch, sel)
+        else:
+            bias, _ = drafter.markov_bias(e, h_sel, None)
+        logits = logits + bias
+    logits = drafter.scatter_to_target_vocab(logits)
+    conf = drafter.confidence_logits(h_sel, e) if cfg.enable_confidence_head else None
+    return logits, conf
+
+
+def _rnn_bias(drafter: Drafter, h_block: torch.Tensor, h: torch.Tensor, prev: torch.Tensor,
+              batch: BlockBatch, sel: SupervisedSlots) -> torch.Tensor:
+    """The recurrent head needs every earlier slot's state: run it left to right over all blocks
+    (teacher-forced), keeping each slot's bias only on its supervised rows."""
+    anchors = batch.block_ids[:, 0].to(h.device)
+    state = drafter.init_markov_state(h_block, anchors)
+    out = []
+    for k in range(h.shape[1]):
+        bias, state = drafter.markov_bias(drafter.markov_embed(prev[:, k]), h[:, k], state)
+        out.append(bias[batch.supervised[:, k].to(h.device)])
+    return torch.cat(out)
+
+
+def _grid(values: torch.Tensor, sel: SupervisedSlots, batch: BlockBatch) -> torch.Tensor:
+    """[M] slot-major values -> [N, γ] (zeros where unsupervised)."""
+    grid = torch.zeros(batch.supervised.shape, dtype=torch.float32)
+    grid[sel.blocks, sel.slots] = values.detach().float().cpu()
+    return grid
+
+
+def training_forward(drafter: Drafter, extractor: TargetFeatureExtractor, batch: BlockBatch,
+                     alphas: LossWeights, autocast: bool) -> tuple[LossOutput, StepMetrics]:
+    """Run target and drafter over one batch; the loss is ready for backward."""
+    sel = supervised_slots(batch)
+    feats = extractor(batch.tokens, batch.seq_offsets, sel.teacher_rows)
+    dev = feats.aux_hidden.device
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+        ctx_k, ctx_v, valid = block_context(drafter, feats.aux_hidden, batch)
+        h_block = drafter.block_forward(batch.block_ids.to(dev), batch.positions.to(dev), ctx_k,
+                                        ctx_v, valid)
+        logits, conf = draft_logits(drafter, h_block, batch, sel)
+    with torch.no_grad():
+        teacher_all = torch.softmax(feats.teacher_logits, dim=-1)                 # [U, V]
+        target_argmax = feats.teacher_logits.argmax(-1)[sel.teacher_index.to(dev)]
+    teacher = teacher_all[sel.teacher_index.to(dev)]                               # [M, V]
+    weights = position_weights(batch.supervised.shape[1], alphas.decay).to(dev)[sel.slots.to(dev)]
+    labels = batch.labels.to(dev)[sel.blocks.to(dev), sel.slots.to(dev)]
+    out = dspark_loss(logits, teacher, labels, conf, weights, alphas)
+    match = (logits.detach().argmax(-1) == target_argmax).float()
+    sup = batch.supervised
+    metrics = StepMetrics(
+        accept=per_position_mean(_grid(out.accept, sel, batch), sup),
+        greedy_match=per_position_mean(_grid(match, sel, batch), sup),
+        confidence=per_position_mean(_grid(torch.sigmoid(conf), sel, batch), sup)
+        if conf is not None else torch.zeros(sup.shape[1]),
+        slot_counts=sup.sum(0), weight_sum=float(weights.sum()),
+        supervised_slots=int(sel.blocks.numel()), tokens=int(batch.tokens.numel()))
+    return out, metrics
+
+
+class MetricPool:
+    """Pools batches: loss terms weighted by their Σw, per-slot rates by their slot counts, so a
+    pooled number is the one a single batch holding all of them would have given."""
+
+    def __init__(self, gamma: int):
+        self.terms = torch.zeros(4, dtype=torch.float64)            # total, ce, l1, conf (x Σw)
+        self.weight = 0.0
+        self.rates = torch.zeros(3, gamma, dtype=torch.float64)     # accept, greedy, confidence
+        self.counts = torch.zeros(gamma, dtype=torch.float64)
+        self.tokens = self.slots = 0
+
+    def add(self, out: LossOutput, m: StepMetrics) -> None:
+        w = m.weight_sum
+        self.terms += torch.tensor([float(out.total), float(out.ce), float(out.l1), float(out.conf)],
+                                   dtype=torch.float64) * w
+        self.weight += w
+        counts = m.slot_counts.double()
+        self.rates += torch.stack([m.accept, m.greedy_match, m.confidence]).double() * counts
+        self.counts += counts
+        self.tokens += m.tokens
+        self.slots += m.supervised_slots
+
+    def summary(self) -> dict:
+        terms = (self.terms / max(self.weight, 1e-12)).tolist()
+        accept, greedy, conf = (self.rates / self.counts.clamp_min(1.0)).float()
+        return {"loss": terms[0], "ce": terms[1], "l1": terms[2], "conf": terms[3],
+                "accept": [round(x, 4) for x in accept.tolist()],
+                "greedy_match": [round(x, 4) for x in greedy.tolist()],
+                "confidence": [round(x, 4) for x in conf.tolist()],
+                "tau": float(expected_accept_length(accept)),
+                "tau_greedy": float(expected_accept_length(greedy)),
+                "tokens": self.tokens, "slots": self.slots}

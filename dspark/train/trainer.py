@@ -1,0 +1,348 @@
+"""Drafter training: config, model construction, the loop, held-out eval, checkpoints, export.
+
+The recipe is DeepSpec's (reference/dspark_algorithm.md §5.3-5.4) scaled to a 2-core CPU: AdamW
+with linear warm-up then cosine to zero, grad-norm clip 1.0, bf16 autocast, the target frozen and
+run on the fly. Every `checkpoint_every` steps the whole training state (weights, optimizer,
+scheduler, step, RNG states, data cursor) is written atomically to `<out>/checkpoint.pt`, and a
+Trainer built on the same out dir continues from it: an interrupted job resumes by rerunning it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from dspark.config import DTYPES
+from dspark.models.drafter import Drafter, DrafterConfig
+from dspark.models.drafter_loader import save_speculators
+from dspark.models.loader import LoadedTarget, load_target
+from dspark.models.model_config import ModelConfig
+from dspark.train.data import EpochSampler, Sample, atomic_save, load_samples
+from dspark.train.features import TargetFeatureExtractor
+from dspark.train.forward import MetricPool, training_forward
+from dspark.train.loss import LossWeights, build_block_batch
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "train_log.jsonl"
+# fields that shape the drafter or its inputs: a checkpoint only resumes under the same values
+ARCH_FIELDS = ("model", "block_size", "num_draft_layers", "markov_rank", "markov_head_type",
+               "target_layer_ids", "mask_token_id")
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str
+    data_dir: str | None = None            # default <out_dir>/data
+    model: str | None = None               # target; None = embedded SmolLM2-135M-Instruct
+    target_dtype: str = "bfloat16"
+    # drafter (γ drafts per block; layer shapes are copied from the target)
+    block_size: int = 7
+    num_draft_layers: int = 1
+    markov_rank: int = 32
+    markov_head_type: str = "vanilla"
+    target_layer_ids: tuple[int, ...] | None = None   # None: default_target_layer_ids(n, 5)
+    mask_token_id: int | None = None                  # None: pick_mask_token_id
+    # optimisation
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_fraction: float = 0.04
+    steps: int = 2000
+    batch_size: int = 4                    # sequences per step
+    anchors_per_seq: int = 32              # blocks per sequence; M <= batch*anchors*γ rows of V
+    max_seq_len: int = 640
+    min_loss_tokens: int = 8
+    grad_clip: float = 1.0
+    bf16: bool = True                      # autocast the drafter's matmuls
+    loss: LossWeights = dataclasses.field(default_factory=LossWeights)
+    # bookkeeping
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_sequences: int = 64
+    checkpoint_every: int = 100
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss, dict):
+            self.loss = LossWeights(**self.loss)
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if min(self.block_size, self.num_draft_layers, self.steps, self.batch_size,
+               self.anchors_per_seq) < 1:
+            raise ValueError("block_size, num_draft_layers, steps, batch_size and anchors_per_seq "
+                             "must all be >= 1")
+
+    @property
+    def data_path(self) -> str:
+        return self.data_dir or os.path.join(self.out_dir, "data")
+
+
+def default_target_layer_ids(num_layers: int, count: int = 5) -> tuple[int, ...]:
+    """DFlash's spread round(1 + i(n-4)/(count-1)) (§3.1), e.g. (1, 8, 14, 20, 27) for 30 layers;
+    evenly spaced over [0, n-2] where that formula does not fit. Never the last layer."""
+    top = num_layers - 2
+    if top < 0:
+        return (-1,)
+    count = max(1, min(count, top + 1))
+    if count > 1 and num_layers > 4:
+        ids = tuple(int(round(1 + i * (num_layers - 4) / (count - 1))) for i in range(count))
+        if len(set(ids)) == count and ids[-1] <= top:
+            return ids
+    return tuple(sorted({int(round(x)) for x in torch.linspace(0, top, count).tolist()}))
+
+
+def pick_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """The last special token that is not bos/eos/pad (SmolLM2: 16 `<empty_output>`).
+
+    The mask embedding only has to be a fixed, frozen row that never occurs in the data, which is
+    what DeepSpec uses too (an unused vocabulary row). A special token is matched only when
+    written literally, so chat text and generated responses never contain it. Without a
+    tokenizer the last vocabulary row is used."""
+    if tokenizer is None:
+        return vocab_size - 1
+    reserved = {tokenizer.bos_token_id, tokenizer.pad_token_id, *tokenizer.eos_token_ids}
+    added = tokenizer.backend.get_added_tokens_decoder()
+    candidates = [i for i, tok in added.items() if tok.special and i not in reserved and i < vocab_size]
+    return max(candidates) if candidates else vocab_size - 1
+
+
+def build_drafter_config(cfg: TrainConfig, target: ModelConfig) -> DrafterConfig:
+    return DrafterConfig(
+        block_size=cfg.block_size, target_layer_ids=tuple(cfg.target_layer_ids),
+        sample_from_anchor=True, mask_token_id=cfg.mask_token_id, markov_rank=cfg.markov_rank,
+        markov_head_type=cfg.markov_head_type, enable_confidence_head=True,
+        confidence_head_with_markov=cfg.markov_rank > 0, hidden_size=target.hidden_size,
+        num_layers=cfg.num_draft_layers, num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+        intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta, rope_scaling=target.rope_scaling, qk_norm=True,
+        attention_bias=False, target_hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+        draft_vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings)
+
+
+def init_drafter(drafter: Drafter, seed: int) -> None:
+    """Module defaults, except the Markov bias starts at zero (W2 = 0) so the untrained head does
+    not add noise to the base logits; W1 still gets gradient once W2 has moved."""
+    torch.manual_seed(seed)
+    for module in drafter.modules():
+        if hasattr(module, "reset_parameters") and module is not drafter:
+            module.reset_parameters()
+    if drafter.markov_head is not None:
+        torch.nn.init.zeros_(drafter.markov_head.markov_w2.weight)
+
+
+def lr_lambda(step: int, total: int, warmup_fraction: float) -> float:
+    """Linear warm-up over the first `warmup_fraction` of steps, then cosine to zero."""
+    warmup = max(1, round(warmup_fraction * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    """Owns the frozen target, the drafter being trained, the data and the training state."""
+
+    def __init__(self, cfg: TrainConfig, target: LoadedTarget | None = None):
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        saved = self._read_checkpoint(cfg.out_dir)
+        if saved is not None and cfg.model is None:
+            cfg = dataclasses.replace(cfg, model=saved["config"]["model"])
+        self.target = target or load_target(cfg.model, DTYPES[cfg.target_dtype])
+        tcfg = self.target.config
+        self.cfg = self._resolve(cfg, saved)
+        self.drafter_config = build_drafter_config(self.cfg, tcfg)
+        self.drafter = Drafter(self.drafter_config, self.target.model.embed_tokens,
+                               self.target.model.lm_head)
+        init_drafter(self.drafter, self.cfg.seed)
+        self.extractor = TargetFeatureExtractor(self.target.model, tcfg, self.cfg.target_layer_ids)
+        self.train_samples = load_samples(self.cfg.data_path, False, self.cfg.max_seq_len,
+                                          self.cfg.min_loss_tokens)
+        self.eval_samples = load_samples(self.cfg.data_path, True, self.cfg.max_seq_len,
+                                         self.cfg.min_loss_tokens)[:self.cfg.eval_sequences]
+        self.sampler = EpochSampler(len(self.train_samples), self.cfg.seed)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.lr,
+                                           weight_decay=self.cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, self.cfg.steps, self.cfg.warmup_fraction))
+        self.anchor_gen = torch.Generator().manual_seed(self.cfg.seed)
+        self.step = 0
+        self._warn_mask_in_data()
+        if saved is not None:
+            self._load_state(saved)
+        logger.info("drafter: %d trainable parameters, %d train / %d held-out sequences",
+                    sum(p.numel() for p in self.params), len(self.train_samples),
+                    len(self.eval_samples))
+
+    # ---- configuration -------------------------------------------------------------------------
+
+    @staticmethod
+    def _read_checkpoint(out_dir: str) -> dict | None:
+        path = os.path.join(out_dir, CHECKPOINT)
+        return torch.load(path, weights_only=False) if os.path.isfile(path) else None
+
+    def _resolve(self, cfg: TrainConfig, saved: dict | None) -> TrainConfig:
+        """Fill the target-dependent defaults; a checkpoint's architecture must match."""
+        tcfg = self.target.config
+        cfg = dataclasses.replace(cfg)
+        if saved is not None:
+            old = TrainConfig(**saved["config"])
+            for name in ARCH_FIELDS:
+                new = getattr(cfg, name)
+                if new is not None and new != getattr(old, name):
+                    raise ValueError(f"{cfg.out_dir} holds a checkpoint with {name}="
+                                     f"{getattr(old, name)!r}, not {new!r}; use another --out")
+                setattr(cfg, name, getattr(old, name))
+        if cfg.target_layer_ids is None:
+            cfg.target_layer_ids = default_target_layer_ids(tcfg.num_layers)
+        if cfg.mask_token_id is None:
+            cfg.mask_token_id = pick_mask_token_id(self.target.tokenizer, tcfg.vocab_size)
+        return cfg
+
+    def _warn_mask_in_data(self) -> None:
+        hits = sum(int((s.tokens == self.cfg.mask_token_id).sum()) for s in self.train_samples)
+        if hits:
+            logger.warning("mask token %d occurs %d times in the training data",
+                           self.cfg.mask_token_id, hits)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"format": 1, "step": self.step, "config": asdict(self.cfg),
+                "drafter_config": asdict(self.drafter_config),
+                "model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "anchor": self.anchor_gen.get_state()}}
+
+    def save_checkpoint(self) -> str:
+        path = os.path.join(self.cfg.out_dir, CHECKPOINT)
+        atomic_save(self.state_dict(), path)
+        return path
+
+    def _load_state(self, saved: dict) -> None:
+        self.drafter.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.sampler.load_state_dict(saved["sampler"])
+        torch.set_rng_state(saved["rng"]["torch"])
+        self.anchor_gen.set_state(saved["rng"]["anchor"])
+        self.step = saved["step"]
+        self._truncate_log(self.step)
+        logger.info("resumed from %s at step %d", self.cfg.out_dir, self.step)
+
+    def _truncate_log(self, step: int) -> None:
+        """Records written after the checkpoint will be written again: drop them."""
+        path = os.path.join(self.cfg.out_dir, LOG)
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(path, "w") as f:
+            f.writelines(keep)
+
+    def log(self, record: dict) -> None:
+        with open(os.path.join(self.cfg.out_dir, LOG), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def _batch(self, samples: list[Sample], generator: torch.Generator):
+        return build_block_batch([s.tokens for s in samples], [s.loss_mask for s in samples],
+                                 self.cfg.block_size, self.cfg.mask_token_id,
+                                 self.cfg.anchors_per_seq, generator)
+
+    def train_step(self):
+        """One optimiser step on the next batch; returns (LossOutput, StepMetrics, grad norm)."""
+        samples = [self.train_samples[i] for i in self.sampler.next_batch(self.cfg.batch_size)]
+        batch = self._batch(samples, self.anchor_gen)
+        self.drafter.train()
+        out, metrics = training_forward(self.drafter, self.extractor, batch, self.cfg.loss,
+                                        self.cfg.bf16)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.total.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return out, metrics, float(grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss, per-slot acceptance and τ; the same anchors every time (fixed seed),
+        so successive evals are comparable."""
+        if not self.eval_samples:
+            return {}
+        self.drafter.eval()
+        gen = torch.Generator().manual_seed(self.cfg.seed + 1)
+        pool = MetricPool(self.cfg.block_size)
+        for lo in range(0, len(self.eval_samples), self.cfg.batch_size):
+            batch = self._batch(self.eval_samples[lo:lo + self.cfg.batch_size], gen)
+            pool.add(*training_forward(self.drafter, self.extractor, batch, self.cfg.loss,
+                                       self.cfg.bf16))
+        return pool.summary()
+
+    def train(self, use_tqdm: bool = True) -> dict:
+        """Run to `cfg.steps`, logging, evaluating and checkpointing; returns the last eval."""
+        cfg, last_eval = self.cfg, {}
+        window, t_window, start = MetricPool(cfg.block_size), time.perf_counter(), time.perf_counter()
+        grad_norms: list[float] = []
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", disable=not use_tqdm)
+        while self.step < cfg.steps:
+            out, metrics, grad_norm = self.train_step()
+            window.add(out, metrics)
+            grad_norms.append(grad_norm)
+            bar.update(1)
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                record = self._train_record(window, grad_norms, time.perf_counter() - t_window,
+                                            time.perf_counter() - start)
+                self.log(record)
+                bar.set_postfix_str(_postfix(record))
+                window, t_window, grad_norms = MetricPool(cfg.block_size), time.perf_counter(), []
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                last_eval = self.evaluate()
+                if last_eval:
+                    self.log({"type": "eval", "step": self.step, **last_eval})
+                    logger.info("eval step %d: loss %.4f tau %.3f accept %s", self.step,
+                                last_eval["loss"], last_eval["tau"], last_eval["accept"])
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                self.save_checkpoint()
+        bar.close()
+        return last_eval
+
+    def _train_record(self, window: MetricPool, grad_norms: list[float], seconds: float,
+                      elapsed: float) -> dict:
+        summary = window.summary()
+        steps = len(grad_norms)
+        return {"type": "train", "step": self.step, "epoch": self.sampler.epoch,
+                "lr": self.scheduler.get_last_lr()[0], "grad_norm": sum(grad_norms) / steps,
+                "step_s": seconds / steps, "tok_s": summary["tokens"] / seconds,
+                "slots_s": summary["slots"] / seconds, "elapsed_s": elapsed, **summary}
+
+    # ---- export --------------------------------------------------------------------------------
+
+    def export(self, path: str, dtype: torch.dtype = torch.bfloat16) -> str:
+        """Write the speculators format (what `load_drafter` and the engine read)."""
+        copy = Drafter(self.drafter_config, self.target.model.embed_tokens, self.target.model.lm_head)
+        copy.load_state_dict(self.drafter.state_dict())
+        copy = copy.to(dtype)
+        name = self.cfg.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+        save_speculators(copy, path, verifier_name_or_path=name,
+                         verifier_architectures=(self.target.config.architecture,))
+        logger.info("exported the drafter to %s (%s)", path, dtype)
+        return path
+
+
+def _postfix(record: dict) -> str:
+    acc = "/".join(f"{a:.2f}" for a in record["accept"])
+    return (f"loss {record['loss']:.3f} acc {acc} tau {record['tau']:.2f} "
+            f"tok/s {record['tok_s']:.0f}")

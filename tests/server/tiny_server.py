@@ -1,0 +1,110 @@
+"""Tiny random models with a word-level tokenizer and a chat template, served on a loopback port."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from dspark.llm import build_config
+from dspark.server import ServerThread, build_app
+from dspark.server.api_server import ServerState
+from tiny import save_random_drafter, save_tiny
+
+VOCAB = 128
+SPECIALS = ["<unk>", "<s>", "</s>", "<|end|>"]
+WORDS = ["user", "assistant", "system", ":"] + [f"w{i}" for i in range(VOCAB - len(SPECIALS) - 4)]
+TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['user', 'assistant', 'system'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}"
+    "{% endif %}"
+    "{{ message['role'] }} : {{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def write_tokenizer(path: str) -> None:
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(SPECIALS)
+    backend.decoder = decoders.WordPiece(cleanup=False)
+    backend.save(os.path.join(path, "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<unk>", "add_bos_token": False,
+              "chat_template": TEMPLATE}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def make_target(path: str, seed: int = 5) -> str:
+    save_tiny(path, "qwen3", tied=True, vocab=VOCAB, num_hidden_layers=4, seed=seed)
+    write_tokenizer(path)
+    return path
+
+
+def make_drafter(path: str, target: str, gamma: int = 4) -> str:
+    save_random_drafter(path, target, gamma=gamma, copy_prev=4.0)
+    return path
+
+
+def engine_kwargs(kv_tokens: int = 8192, **overrides) -> dict:
+    per_token = 2 * (4 + 1) * 2 * 16 * 4        # K+V of 4 target + 1 drafter layers, fp32
+    kwargs = dict(dtype="float32", block_size=4, kv_cache_bytes=kv_tokens * per_token,
+                  max_model_len=128)
+    kwargs.update(overrides)
+    return kwargs
+
+
+@dataclass
+class Served:
+    """A running server and its in-process state (for checks the HTTP API cannot make)."""
+    thread: ServerThread
+    state: ServerState
+
+    @property
+    def base_url(self) -> str:
+        return self.thread.base_url
+
+    @property
+    def url(self) -> str:
+        return self.thread.url
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        return read_metrics(self.url)
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[tuple[str, tuple], float]:
+        """Aborts land asynchronously: wait until /metrics shows nothing waiting or running."""
+        deadline = time.monotonic() + timeout
+        while True:
+            values = self.metrics()
+            idle = (values[("dspark_num_requests_running", ())] == 0
+                    and values[("dspark_num_requests_waiting", ())] == 0)
+            if idle or time.monotonic() > deadline:
+                return values
+            time.sleep(0.05)
+
+
+@contextmanager
+def serve(model: str, drafter: str | None = None, max_queue: int | None = 256,
+          **engine_overrides) -> Iterator[Served]:
+    config = build_config(model=model, drafter=drafter, **engine_kwargs(**engine_overrides))
+    app = build_app(config, served_model_name="tiny", max_queue=max_queue)
+    with ServerThread(app) as thread:
+        yield Served(thread, app.state.server)
+
+
+def read_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics as {(name, sorted labels): value}."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
