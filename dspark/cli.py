@@ -96,6 +96,23 @@ def cmd_chat(args) -> None:
         print(reply, flush=True)
 
 
+def cmd_calibrate(args) -> None:
+    from dspark.bench.heldout import heldout_prompts
+    from dspark.calibrate import run_calibration
+    from dspark.llm import LLM
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter or "embedded",
+              max_num_seqs=args.max_num_seqs)
+    kinds = heldout_prompts(args.data, llm.tokenizer, args.num_prompts)
+    prompts = kinds["chat"] + kinds["code"]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    cal = run_calibration(llm, prompts, params, dataset=args.data or "built-in prompts")
+    cal.save(args.out)
+    print(f"{cal.num_samples} rounds; wrote {args.out}")
+    print("position | T | ECE before | ECE after")
+    for k, (t, b, a) in enumerate(zip(cal.temperatures, cal.ece_before, cal.ece_after)):
+        print(f"{k + 1} | {t:.3f} | {b:.2%} | {a:.2%}")
+
+
 def cmd_demo(args) -> None:
     from dspark.bench.demo import run_demo
     run_demo(args)
@@ -129,6 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("calibrate", help="fit STS temperatures for the drafter's confidence head")
+    _engine_args(p)
+    p.add_argument("--data", default=None, help="draft-training data folder: calibrate on its held-out split")
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts per kind (chat, code)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="STS calibration JSON to write")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("bench", help="benchmarks (see dspark/bench)")
     _engine_args(p)

@@ -86,7 +86,7 @@ def run_plain_bench(args) -> None:
     from dspark.llm import LLM
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    llm = LLM(args.model, dtype=args.dtype, num_threads=threads, max_num_seqs=max(64, args.batch))
+    llm = LLM(args.model, dtype=args.dtype, num_threads=threads, max_num_seqs=max(64, args.batch), drafter=None)
     tok = llm.tokenizer
     prompts = [tok.encode(p) for p in bench_prompts(args.batch)]
     rng = random.Random(0)

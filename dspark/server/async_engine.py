@@ -61,6 +61,8 @@ class EngineObserver(Protocol):
 
     def on_state(self, state: EngineState) -> None: ...
 
+    def on_abort(self, request_id: str) -> None: ...
+
 
 @dataclass
 class _Add:
@@ -251,7 +253,7 @@ class AsyncEngine:
                 self._publish_state()
             except Exception:                                 # never let the loop die silently
                 logger.exception("unexpected error in the engine loop")
-                self._fail_in_flight(RequestFailed("internal error in the engine loop"), waiting=True)
+                self._fail_in_flight(RequestFailed("internal error in the engine loop"))
         logger.info("engine loop stopped")
 
     def _take(self, block: bool) -> list[_Add | _Abort] | None:
@@ -268,7 +270,8 @@ class AsyncEngine:
         results: list[tuple[str, RequestOutput | BaseException | None]] = []
         for command in commands:
             if isinstance(command, _Abort):
-                self.engine.abort(command.request_id)
+                if self.engine.abort(command.request_id):
+                    self._notify(lambda obs: obs.on_abort(command.request_id))
                 continue
             try:
                 self.engine.add_request(command.prompt, command.params, command.request_id,
@@ -291,19 +294,20 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.exception("engine step failed; failing the requests it was running")
-            self._fail_in_flight(RequestFailed(f"the engine failed while running this request: {exc}"),
-                                 waiting=False)
+            logger.exception("engine step failed; failing the requests in the engine")
+            self._fail_in_flight(RequestFailed(f"the engine failed while running this request: {exc}"))
             return
         report = StepReport(time.perf_counter() - start, outputs, _spec_delta(before, self.engine.spec_stats))
         self._send([(out.request_id, out) for out in outputs])
         self._notify(lambda obs: obs.on_step(report))
 
-    def _fail_in_flight(self, error: RequestFailed, waiting: bool) -> None:
-        """Abort (and free) the requests a failure may have touched; untouched waiting ones stay."""
-        untouched = set() if waiting else {s.request_id for s in self.engine.scheduler.waiting
-                                           if s.num_computed_tokens == 0}
-        failed = [rid for rid in list(self.engine.requests) if rid not in untouched]
+    def _fail_in_flight(self, error: RequestFailed) -> None:
+        """Abort (and free) every request in the engine: after a failed step its state is suspect.
+
+        Failing the waiting requests too keeps a persistent fault from looping: an empty engine
+        sleeps until the next request, which then gets its own answer.
+        """
+        failed = list(self.engine.requests)
         for request_id in failed:
             try:
                 self.engine.abort(request_id)

@@ -41,6 +41,8 @@ class ServerMetrics:
         self.kv_blocks = Gauge("dspark_kv_cache_blocks", "KV blocks in the cache", registry=r)
         self.finished = Counter("dspark_requests_finished", "Requests finished, by finish reason",
                                 ["finish_reason"], registry=r)
+        self.aborted = Counter("dspark_requests_aborted", "Requests aborted before finishing "
+                               "(client gone)", registry=r)
         self.prompt_tokens = Counter("dspark_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
         self.generation_tokens = Counter("dspark_generation_tokens", "Tokens generated", registry=r)
@@ -92,6 +94,9 @@ class ServerMetrics:
             self.tpot.observe(tpot)
         if out.metrics.latency is not None:
             self.latency.observe(out.metrics.latency)
+
+    def on_abort(self, request_id: str) -> None:
+        self.aborted.inc()
 
     def on_state(self, state: EngineState) -> None:
         self.waiting.set(state.waiting)

@@ -153,7 +153,7 @@ class MetricPool:
 
     def add(self, out: LossOutput, m: StepMetrics) -> None:
         w = m.weight_sum
-        self.terms += torch.tensor([float(out.total), float(out.ce), float(out.l1), float(out.conf)],
+        self.terms += torch.tensor([float(out.total.detach()), float(out.ce), float(out.l1), float(out.conf)],
                                    dtype=torch.float64) * w
         self.weight += w
         counts = m.slot_counts.double()

@@ -197,7 +197,8 @@ def all_code_sources(root: str | None = None) -> list[CodeSource]:
 
 def build_prompts(num_prompts: int, seed: int = 0, chat_fraction: float = 0.5,
                   root: str | None = None) -> list[Prompt]:
-    """`num_prompts` prompts, chat and code interleaved so that every prefix keeps the mix.
+    """`num_prompts` prompts (fewer if the pool runs out), chat and code interleaved so that
+    every prefix keeps the mix.
 
     Code prompts come in (raw, chat) pairs of one function. The order depends only on the seed
     and the installed standard library, so a rerun (or a resumed run) sees the same list.
@@ -207,8 +208,8 @@ def build_prompts(num_prompts: int, seed: int = 0, chat_fraction: float = 0.5,
     rng = random.Random(seed)
     rng.shuffle(code)
     rng.shuffle(chat)
-    n_chat = min(len(chat), round(num_prompts * chat_fraction))
-    n_code = min(2 * len(code), num_prompts - n_chat)
+    n_code = min(2 * len(code), num_prompts - round(num_prompts * chat_fraction))
+    n_chat = min(len(chat), num_prompts - n_code)      # chat fills in where code runs short
     code_list = [p for src in code[:(n_code + 1) // 2] for p in code_prompts(src, seed)][:n_code]
     logger.info("prompt pool: %d chat, %d code functions; taking %d chat + %d code",
                 len(chat), len(code), n_chat, n_code)

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"
+CONFIG = "train_config.json"
 # fields that shape the drafter or its inputs: a checkpoint only resumes under the same values
 ARCH_FIELDS = ("model", "block_size", "num_draft_layers", "markov_rank", "markov_head_type",
                "target_layer_ids", "mask_token_id")
@@ -84,6 +85,15 @@ class TrainConfig:
     @property
     def data_path(self) -> str:
         return self.data_dir or os.path.join(self.out_dir, "data")
+
+
+def read_saved_config(out_dir: str) -> dict | None:
+    """The resolved TrainConfig a run in `out_dir` started with (None for a new run)."""
+    path = os.path.join(out_dir, CONFIG)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def default_target_layer_ids(num_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -152,7 +162,7 @@ def lr_lambda(step: int, total: int, warmup_fraction: float) -> float:
 class Trainer:
     """Owns the frozen target, the drafter being trained, the data and the training state."""
 
-    def __init__(self, cfg: TrainConfig, target: LoadedTarget | None = None):
+    def __init__(self, cfg: TrainConfig, target: LoadedTarget | None = None, load_data: bool = True):
         os.makedirs(cfg.out_dir, exist_ok=True)
         saved = self._read_checkpoint(cfg.out_dir)
         if saved is not None and cfg.model is None:
@@ -165,11 +175,14 @@ class Trainer:
                                self.target.model.lm_head)
         init_drafter(self.drafter, self.cfg.seed)
         self.extractor = TargetFeatureExtractor(self.target.model, tcfg, self.cfg.target_layer_ids)
-        self.train_samples = load_samples(self.cfg.data_path, False, self.cfg.max_seq_len,
-                                          self.cfg.min_loss_tokens)
-        self.eval_samples = load_samples(self.cfg.data_path, True, self.cfg.max_seq_len,
-                                         self.cfg.min_loss_tokens)[:self.cfg.eval_sequences]
-        self.sampler = EpochSampler(len(self.train_samples), self.cfg.seed)
+        self.train_samples: list[Sample] = []
+        self.eval_samples: list[Sample] = []
+        if load_data:
+            self.train_samples = load_samples(self.cfg.data_path, False, self.cfg.max_seq_len,
+                                              self.cfg.min_loss_tokens)
+            self.eval_samples = load_samples(self.cfg.data_path, True, self.cfg.max_seq_len,
+                                             self.cfg.min_loss_tokens)[:self.cfg.eval_sequences]
+        self.sampler = EpochSampler(len(self.train_samples), self.cfg.seed) if load_data else None
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.lr,
                                            weight_decay=self.cfg.weight_decay)
@@ -180,6 +193,8 @@ class Trainer:
         self._warn_mask_in_data()
         if saved is not None:
             self._load_state(saved)
+        with open(os.path.join(self.cfg.out_dir, CONFIG), "w") as f:
+            json.dump(asdict(self.cfg), f, indent=2)
         logger.info("drafter: %d trainable parameters, %d train / %d held-out sequences",
                     sum(p.numel() for p in self.params), len(self.train_samples),
                     len(self.eval_samples))
@@ -189,7 +204,7 @@ class Trainer:
     @staticmethod
     def _read_checkpoint(out_dir: str) -> dict | None:
         path = os.path.join(out_dir, CHECKPOINT)
-        return torch.load(path, weights_only=False) if os.path.isfile(path) else None
+        return torch.load(path, weights_only=True) if os.path.isfile(path) else None
 
     def _resolve(self, cfg: TrainConfig, saved: dict | None) -> TrainConfig:
         """Fill the target-dependent defaults; a checkpoint's architecture must match."""
@@ -221,7 +236,8 @@ class Trainer:
         return {"format": 1, "step": self.step, "config": asdict(self.cfg),
                 "drafter_config": asdict(self.drafter_config),
                 "model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "sampler": self.sampler.state_dict() if self.sampler else None,
                 "rng": {"torch": torch.get_rng_state(), "anchor": self.anchor_gen.get_state()}}
 
     def save_checkpoint(self) -> str:
@@ -233,7 +249,8 @@ class Trainer:
         self.drafter.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
-        self.sampler.load_state_dict(saved["sampler"])
+        if self.sampler is not None:
+            self.sampler.load_state_dict(saved["sampler"])
         torch.set_rng_state(saved["rng"]["torch"])
         self.anchor_gen.set_state(saved["rng"]["anchor"])
         self.step = saved["step"]

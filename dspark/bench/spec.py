@@ -1,0 +1,61 @@
+"""`dspark bench --mode spec`: plain vs DSpark at batch 1 on held-out prompts, in one run.
+
+Reports, per prompt kind (chat, code): tokens/s of both, the speed-up, the mean accepted length
+τ (accepted drafts + 1 per round) and per-position acceptance; greedy outputs are checked equal.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from dspark.bench.heldout import heldout_prompts
+from dspark.outputs import SpecStats
+
+
+def _run(llm, prompts, params) -> tuple[int, float, list]:
+    tokens, seconds, outs = 0, 0.0, []
+    for ids in prompts:
+        start = time.perf_counter()
+        out = llm.generate([ids], params)[0]
+        seconds += time.perf_counter() - start
+        tokens += len(out.token_ids)
+        outs.append(out.token_ids)
+    return tokens, seconds, outs
+
+
+def run_spec_bench(args) -> None:
+    from dspark import LLM, SamplingParams
+    plain = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=None)
+    spec = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter or "embedded")
+    params = SamplingParams(temperature=0, max_tokens=args.batch1_tokens)
+    kinds = heldout_prompts(args.data, plain.tokenizer, args.num_prompts)
+    for llm in (plain, spec):
+        llm.generate([kinds["code"][0]], SamplingParams(temperature=0, max_tokens=8))      # warm-up
+    rows, summary = [], {"bench": "spec", "dtype": args.dtype, "max_tokens": args.batch1_tokens}
+    for kind, prompts in kinds.items():
+        spec.engine.reset_spec_stats()
+        runs = {"plain": [], "dspark": []}
+        for _ in range(args.repetitions):
+            runs["plain"].append(_run(plain, prompts, params))
+            runs["dspark"].append(_run(spec, prompts, params))
+        same = all(a == b for (_, _, x), (_, _, y) in zip(runs["plain"], runs["dspark"]) for a, b in zip(x, y))
+        tps = {k: statistics.median(t / s for t, s, _ in v) for k, v in runs.items()}
+        stats: SpecStats = spec.engine.spec_stats
+        per_pos = [n / stats.draft_rounds for n in stats.accepted_per_position]
+        rows.append((kind, len(prompts), f"{tps['plain']:.1f}", f"{tps['dspark']:.1f}",
+                     f"{tps['dspark'] / tps['plain']:.2f}x", f"{stats.mean_accepted_length:.2f}",
+                     " ".join(f"{p:.2f}" for p in per_pos), "yes" if same else "NO"))
+        summary[kind] = {"prompts": len(prompts), "plain_tokens_per_s": round(tps["plain"], 2),
+                         "dspark_tokens_per_s": round(tps["dspark"], 2),
+                         "speedup": round(tps["dspark"] / tps["plain"], 3),
+                         "tau": round(stats.mean_accepted_length, 3),
+                         "acceptance_per_position": [round(p, 3) for p in per_pos],
+                         "identical_output": same}
+    head = ("prompts", "n", "plain tok/s", "DSpark tok/s", "speed-up", "tau", "acceptance by position", "same")
+    print(" | ".join(head))
+    print(" | ".join("---" for _ in head))
+    for row in rows:
+        print(" | ".join(str(c) for c in row))
+    print(json.dumps(summary))

@@ -1,0 +1,140 @@
+"""`dspark train-draft`: generate data, train, export and plot, each step resumable.
+
+    dspark train-draft --out runs/smollm2 --generate-data --num-prompts 4000
+    dspark train-draft --out runs/smollm2 --steps 3000            # trains; rerun to resume
+    dspark train-draft --out runs/smollm2 --export drafters/smollm2-dspark --plot
+
+Actions run in the order generate -> train -> export -> plot; with none of them given, the
+command trains. Every long action picks up where an interrupted run of it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="run directory: checkpoint, log, plots (and data)")
+    p.add_argument("--data-dir", default=None, help="data shards (default: <out>/data)")
+    p.add_argument("--model", default=None, help="target HF folder or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    act = p.add_argument_group("actions (in this order; default: --train)")
+    act.add_argument("--generate-data", action="store_true", help="generate the target's responses")
+    act.add_argument("--train", action="store_true", help="train (continues from <out>/checkpoint.pt)")
+    act.add_argument("--resume", action="store_true", help="train, and fail if there is no checkpoint")
+    act.add_argument("--export", metavar="PATH", default=None, help="write the speculators format")
+    act.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    act.add_argument("--plot", action="store_true", help="write <out>/training_curves.png")
+    gen = p.add_argument_group("data generation")
+    gen.add_argument("--num-prompts", type=int, default=4000)
+    gen.add_argument("--max-tokens", type=int, default=192, help="response length cap")
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--top-p", type=float, default=0.8)
+    gen.add_argument("--heldout-fraction", type=float, default=0.05)
+    gen.add_argument("--chat-fraction", type=float, default=0.5)
+    gen.add_argument("--chunk-size", type=int, default=256, help="prompts per shard")
+    gen.add_argument("--max-num-seqs", type=int, default=64, help="engine batch while generating")
+    tr = p.add_argument_group("training (unset: the run's saved value, else the default)")
+    for flag, field, kind, help_text in TRAIN_FLAGS:
+        tr.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
+    tr.add_argument("--markov-type", dest="markov_head_type", default=None,
+                    choices=["vanilla", "gated", "rnn"])
+    tr.add_argument("--target-layer-ids", default=None,
+                    help="comma-separated target layer outputs (default: 5 spread, not the last)")
+    tr.add_argument("--no-bf16", dest="bf16", action="store_const", const=False, default=None,
+                    help="train in fp32 (slower on CPU)")
+
+
+# (flag, TrainConfig field, type, help)
+TRAIN_FLAGS = (
+    ("--block-size", "block_size", int, "γ, drafts per block (7)"),
+    ("--draft-layers", "num_draft_layers", int, "drafter layers (1)"),
+    ("--markov-rank", "markov_rank", int, "Markov head rank r (32)"),
+    ("--mask-token-id", "mask_token_id", int, "mask token (a special token of the target)"),
+    ("--steps", "steps", int, "optimiser steps (2000)"),
+    ("--batch-size", "batch_size", int, "sequences per step (4)"),
+    ("--anchors", "anchors_per_seq", int, "blocks per sequence (32)"),
+    ("--lr", "lr", float, "peak learning rate (6e-4)"),
+    ("--warmup", "warmup_fraction", float, "warm-up fraction of the steps (0.04)"),
+    ("--grad-clip", "grad_clip", float, "grad-norm clip (1.0)"),
+    ("--max-seq-len", "max_seq_len", int, "truncate sequences to this many tokens (640)"),
+    ("--seed", "seed", int, "seed (0)"),
+    ("--log-every", "log_every", int, "steps per log record (10)"),
+    ("--eval-every", "eval_every", int, "steps between held-out evals (200)"),
+    ("--eval-sequences", "eval_sequences", int, "held-out sequences per eval (64)"),
+    ("--checkpoint-every", "checkpoint_every", int, "steps between checkpoints (50)"),
+)
+
+
+def generate_config(args) -> "GenerateConfig":  # noqa: F821
+    from dspark.train.data import GenerateConfig
+    return GenerateConfig(
+        data_dir=args.data_dir or os.path.join(args.out, "data"), num_prompts=args.num_prompts,
+        seed=args.seed or 0, heldout_fraction=args.heldout_fraction,
+        chat_fraction=args.chat_fraction, max_tokens=args.max_tokens,
+        temperature=args.temperature, top_p=args.top_p, chunk_size=args.chunk_size,
+        max_num_seqs=args.max_num_seqs, model=args.model)
+
+
+def train_config(args) -> "TrainConfig":  # noqa: F821
+    """TrainConfig defaults, overridden by the run's saved config, overridden by explicit flags,
+    so rerunning a bare `--out DIR` continues with the settings the run started with."""
+    from dspark.train.trainer import TrainConfig, read_saved_config
+    fields = {"out_dir": args.out}
+    saved = read_saved_config(args.out) or {}
+    fields.update({k: v for k, v in saved.items() if k != "out_dir"})
+    explicit = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
+    explicit["markov_head_type"] = args.markov_head_type
+    explicit["bf16"] = args.bf16
+    explicit["data_dir"] = args.data_dir
+    explicit["model"] = args.model
+    if args.target_layer_ids:
+        explicit["target_layer_ids"] = tuple(int(x) for x in args.target_layer_ids.split(","))
+    changed = {k: (saved[k], v) for k, v in explicit.items()
+               if v is not None and k in saved and saved[k] != v}
+    if changed:
+        logger.warning("overriding the run's saved settings (saved, new): %s", changed)
+    fields.update({k: v for k, v in explicit.items() if v is not None})
+    return TrainConfig(**fields)
+
+
+def run_train(args) -> None:
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train = args.train or args.resume or not (args.generate_data or args.export or args.plot)
+    if args.generate_data:
+        from dspark.train.data import generate_data
+        count = generate_data(generate_config(args))
+        print(f"generated {count} responses into {generate_config(args).data_dir}")
+    trainer = None
+    if train or args.export:
+        trainer = _trainer(args, train)
+    if train:
+        result = trainer.train()
+        if result:
+            print(f"step {trainer.step}: held-out loss {result['loss']:.4f}, τ {result['tau']:.3f}, "
+                  f"acceptance per slot {result['accept']}")
+    if args.export:
+        dtype = torch.bfloat16 if args.export_dtype == "bfloat16" else torch.float32
+        print(f"exported to {trainer.export(args.export, dtype)} (step {trainer.step})")
+    if args.plot:
+        from dspark.train.plot import plot_training
+        from dspark.train.trainer import LOG
+        print(f"wrote {plot_training(os.path.join(args.out, LOG))}")
+
+
+def _trainer(args, train: bool):
+    from dspark.train.trainer import CHECKPOINT, Trainer
+    has_checkpoint = os.path.isfile(os.path.join(args.out, CHECKPOINT))
+    if (args.resume or (args.export and not train)) and not has_checkpoint:
+        raise FileNotFoundError(f"{args.out} has no {CHECKPOINT} to resume or export from")
+    cfg = train_config(args)
+    if not train:      # export only: the checkpoint's own settings, no data needed
+        cfg = dataclasses.replace(cfg, eval_sequences=0)
+    return Trainer(cfg, load_data=train)

@@ -1,0 +1,116 @@
+"""Prompt sources, the held-out split, shard generation with resume, and reading data back."""
+
+import os
+import textwrap
+
+import pytest
+import torch
+
+from dspark.train.data import (EpochSampler, GenerateConfig, done_uids, generate_shards, load_samples,
+                               read_shard, shard_paths)
+from dspark.train.prompts import build_prompts, code_sources, is_heldout, module_summaries
+from train_helpers import generate_tiny_data, tiny_prompts, tiny_target
+
+MODULE = textwrap.dedent('''
+    """Tools for counting sheep in a small field."""
+
+    def count_sheep(field, start=0):
+        """Return the number of sheep standing in the field."""
+        total = start
+        for spot in field:
+            total += spot
+        return total
+
+    def _hidden(x):
+        """A private helper that should never become a prompt."""
+        return x
+        return x
+        return x
+
+    class Barn:
+        def open_doors(self, wide: bool = True) -> None:
+            """Open every door of the barn at once."""
+            self.doors = wide
+            self.opened = True
+            self.count += 1
+    ''')
+
+
+@pytest.fixture
+def fake_stdlib(tmp_path):
+    root = tmp_path / "lib"
+    (root / "test").mkdir(parents=True)
+    (root / "sheep.py").write_text(MODULE)
+    (root / "test" / "test_sheep.py").write_text(MODULE)        # test folders are skipped
+    return str(root)
+
+
+def test_code_sources_take_public_documented_functions(fake_stdlib):
+    sources = code_sources(os.path.join(fake_stdlib, "sheep.py"), "sheep")
+    assert [s.qualname for s in sources] == ["count_sheep", "Barn.open_doors"]
+    assert sources[0].signature == "def count_sheep(field, start=0)"
+    assert sources[0].header.startswith("def count_sheep(field, start=0):\n    \"\"\"Return")
+    assert sources[1].header.startswith("class Barn:\n    def open_doors(self, wide: bool=True)") or \
+        sources[1].header.startswith("class Barn:\n    def open_doors(self, wide: bool = True)")
+    assert module_summaries(fake_stdlib) == [("sheep", "Tools for counting sheep in a small field.")]
+
+
+def test_build_prompts_is_deterministic_mixed_and_unique(fake_stdlib):
+    a = build_prompts(40, seed=1, root=fake_stdlib)
+    assert a == build_prompts(40, seed=1, root=fake_stdlib)
+    assert len({p.uid for p in a}) == len(a) == 40
+    kinds = [p.kind for p in a]
+    assert kinds.count("code_raw") == kinds.count("code_chat") == 2      # both variants per function
+    assert kinds.count("chat") == 36
+    # both variants of one function share a split group
+    groups = {p.group for p in a if p.kind.startswith("code")}
+    assert len(groups) == 2
+
+
+def test_heldout_split_is_stable_and_near_the_fraction():
+    groups = [f"g{i}" for i in range(4000)]
+    held = [is_heldout(g, 0.05) for g in groups]
+    assert 0.035 < sum(held) / len(held) < 0.065
+    assert held == [is_heldout(g, 0.05) for g in groups]
+    assert is_heldout("g1", 0.05, seed=0) == is_heldout("g1", 0.05, seed=0)
+
+
+def test_generation_writes_shards_and_resumes_identically(tmp_path):
+    target = tiny_target(str(tmp_path / "t"))
+    cfg = generate_tiny_data(target, str(tmp_path / "d"), num=20, max_tokens=12, chunk_size=8)
+    paths = shard_paths(cfg.data_dir)
+    assert len(paths) == 3 and len(done_uids(cfg.data_dir)) == 20
+    shard = read_shard(paths[0])
+    prompts = {p.uid: p for p in tiny_prompts(20)}
+    for i, uid in enumerate(shard["uids"]):
+        lo, hi = shard["offsets"][i], shard["offsets"][i + 1]
+        n_prompt = len(prompts[uid].ids)
+        assert shard["tokens"][lo:lo + n_prompt].tolist() == prompts[uid].ids
+        assert not shard["loss_mask"][lo:lo + n_prompt].any() and shard["loss_mask"][lo + n_prompt:hi].all()
+    last = read_shard(paths[-1])
+    os.remove(paths[-1])                                   # an interrupted run
+    generate_tiny_data(target, cfg.data_dir, num=20, max_tokens=12, chunk_size=8)
+    again = read_shard(shard_paths(cfg.data_dir)[-1])
+    assert again["uids"] == last["uids"] and torch.equal(again["tokens"], last["tokens"])
+    with pytest.raises(ValueError, match="other settings"):
+        generate_shards(None, tiny_prompts(20), GenerateConfig(**{**cfg.__dict__, "max_tokens": 5}))
+
+
+def test_load_samples_split_and_truncation(tmp_path):
+    target = tiny_target(str(tmp_path / "t"))
+    cfg = generate_tiny_data(target, str(tmp_path / "d"), num=20, max_tokens=12, chunk_size=8)
+    train = load_samples(cfg.data_dir, heldout=False, max_len=14, min_loss_tokens=1)
+    held = load_samples(cfg.data_dir, heldout=True, max_len=14, min_loss_tokens=1)
+    assert len(train) + len(held) == 20 and len(held) == 4                # every 5th prompt
+    assert all(s.tokens.shape[0] <= 14 and s.tokens.shape == s.loss_mask.shape for s in train)
+
+
+def test_epoch_sampler_covers_each_epoch_and_restores_its_cursor():
+    s = EpochSampler(10, seed=3)
+    first = s.next_batch(4) + s.next_batch(4) + s.next_batch(2)
+    assert sorted(first) == list(range(10))
+    state = s.state_dict()
+    expected = s.next_batch(7)
+    t = EpochSampler(10, seed=3)
+    t.load_state_dict(state)
+    assert t.next_batch(7) == expected

@@ -1,0 +1,182 @@
+"""The trainer on a tiny random target: learning, resume, export, CLI, and the target features."""
+
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from dspark.models.drafter_loader import load_drafter
+from dspark.models.loader import load_target
+from dspark.train.cli import add_train_args, run_train
+from dspark.train.features import TargetFeatureExtractor
+from dspark.train.forward import block_context, draft_logits, supervised_slots
+from dspark.train.loss import build_block_batch
+from dspark.train.trainer import (LOG, TrainConfig, Trainer, default_target_layer_ids, lr_lambda,
+                                  pick_mask_token_id)
+from train_helpers import generate_tiny_data, tiny_target
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny target (4 layers, vocab 96) and 60 generated responses, shared by the module."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = tiny_target(str(root / "target"))
+    torch.set_num_threads(1)
+    cfg = generate_tiny_data(target, str(root / "data"), num=60, max_tokens=32, chunk_size=32)
+    return types.SimpleNamespace(root=root, target=target, data=cfg.data_dir)
+
+
+def config(run, out: str, **overrides) -> TrainConfig:
+    fields = dict(out_dir=str(run.root / out), data_dir=run.data, model=run.target,
+                  target_dtype="float32", block_size=4, markov_rank=8, steps=8, batch_size=4,
+                  anchors_per_seq=8, eval_every=0, log_every=2, checkpoint_every=4, bf16=False,
+                  lr=3e-3, mask_token_id=1)
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(30) == (1, 8, 14, 20, 27)      # DFlash spread, not layer 29
+    assert default_target_layer_ids(36) == (1, 9, 17, 25, 33)      # DeepSpec's Qwen3-4B ids
+    assert default_target_layer_ids(4) == (0, 1, 2)
+    assert default_target_layer_ids(2) == (0,)
+    assert default_target_layer_ids(1) == (-1,)
+
+
+def test_mask_token_is_the_last_unreserved_special_token():
+    special = lambda: types.SimpleNamespace(special=True)      # noqa: E731
+    added = {0: special(), 1: special(), 2: special(), 15: special(), 16: special(),
+             500: types.SimpleNamespace(special=False)}
+    tok = types.SimpleNamespace(bos_token_id=1, pad_token_id=2, eos_token_ids=[2],
+                                backend=types.SimpleNamespace(get_added_tokens_decoder=lambda: added))
+    assert pick_mask_token_id(tok, 49152) == 16
+    assert pick_mask_token_id(None, 128) == 127
+
+
+def test_lr_schedule_warms_up_then_decays_to_zero():
+    lrs = [lr_lambda(s, 100, 0.04) for s in range(101)]
+    assert lrs[0] == 0.25 and lrs[3] == 1.0
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert lrs[100] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_target_features_match_whole_sequence_runs(tiny_run):
+    """Batched extraction equals one-sequence runs, and teacher row r predicts token r+1."""
+    target = load_target(tiny_run.target, torch.float32)
+    ext = TargetFeatureExtractor(target.model, target.config, (0, 2))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 90, (n,), generator=g) for n in (9, 21, 14)]
+    offsets = torch.tensor([0, 9, 30, 44])
+    rows = torch.tensor([3, 8, 12, 29, 40])
+    both = ext(torch.cat(seqs), offsets, rows)
+    for b, seq in enumerate(seqs):
+        alone = ext(seq, torch.tensor([0, len(seq)]), torch.arange(len(seq)))
+        lo, hi = offsets[b], offsets[b + 1]
+        assert torch.allclose(both.aux_hidden[lo:hi], alone.aux_hidden, atol=1e-5)
+        for i, r in enumerate(rows.tolist()):
+            if lo <= r < hi:
+                assert torch.allclose(both.teacher_logits[i], alone.teacher_logits[r - lo], atol=1e-4)
+    # causal: the logits at row r do not depend on tokens after r
+    cut = ext(seqs[1][:4], torch.tensor([0, 4]), torch.tensor([3]))
+    full = ext(seqs[1], torch.tensor([0, 21]), torch.tensor([3]))
+    assert torch.allclose(cut.teacher_logits, full.teacher_logits, atol=1e-4)
+
+
+def test_training_lowers_the_heldout_loss(tiny_run):
+    trainer = Trainer(config(tiny_run, "learn", steps=60, eval_every=0))
+    before = trainer.evaluate()
+    trainer.train(use_tqdm=False)
+    after = trainer.evaluate()
+    assert after["loss"] < before["loss"] - 0.15, (before["loss"], after["loss"])
+    assert after["tau"] > before["tau"]
+    records = [json.loads(x) for x in open(os.path.join(trainer.cfg.out_dir, LOG))]
+    assert [r["step"] for r in records][-1] == 60 and len(records[0]["accept"]) == 4
+
+
+def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+
+
+def test_checkpoint_resume_continues_with_identical_state(tiny_run):
+    straight = Trainer(config(tiny_run, "straight"))
+    straight.train(use_tqdm=False)
+
+    first = Trainer(config(tiny_run, "resumed"))
+    for _ in range(4):
+        first.train_step()
+    first.log({"type": "train", "step": 4})
+    first.save_checkpoint()
+    first.log({"type": "train", "step": 6})                # a record after the checkpoint
+    mid_state = params_of(first)
+
+    second = Trainer(config(tiny_run, "resumed"))
+    assert second.step == 4
+    assert all(torch.equal(mid_state[k], v) for k, v in params_of(second).items())
+    assert second.sampler.state_dict() == first.sampler.state_dict()
+    assert torch.equal(second.anchor_gen.get_state(), first.anchor_gen.get_state())
+    assert second.scheduler.get_last_lr() == first.scheduler.get_last_lr()
+    steps = [json.loads(x)["step"] for x in open(os.path.join(second.cfg.out_dir, LOG))]
+    assert max(steps) == 4                                  # records past the checkpoint dropped
+    second.train(use_tqdm=False)
+    assert second.step == 8
+    final, reference = params_of(second), params_of(straight)
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+def test_resume_refuses_a_different_architecture(tiny_run):
+    Trainer(config(tiny_run, "arch", steps=1)).train(use_tqdm=False)
+    with pytest.raises(ValueError, match="markov_rank"):
+        Trainer(config(tiny_run, "arch", steps=1, markov_rank=4))
+
+
+def test_export_loads_back_with_identical_logits(tiny_run):
+    trainer = Trainer(config(tiny_run, "export", steps=3, markov_head_type="gated"))
+    trainer.train(use_tqdm=False)
+    path = trainer.export(str(tiny_run.root / "exported"), torch.float32)
+    raw = json.load(open(os.path.join(path, "config.json")))
+    assert raw["speculators_model_type"] == "dspark" and raw["mask_token_id"] == 1
+    assert raw["aux_hidden_state_layer_ids"] == [i + 1 for i in trainer.cfg.target_layer_ids]
+    target = trainer.target
+    loaded = load_drafter(path, target.config, target.model.embed_tokens, target.model.lm_head,
+                          torch.float32)
+    batch = build_block_batch([s.tokens for s in trainer.eval_samples],
+                              [s.loss_mask for s in trainer.eval_samples], 4, 1, 8,
+                              torch.Generator().manual_seed(0))
+    sel = supervised_slots(batch)
+    aux = trainer.extractor(batch.tokens, batch.seq_offsets, sel.teacher_rows).aux_hidden
+    outs = []
+    with torch.no_grad():
+        for d in (trainer.drafter.eval(), loaded):
+            h = d.block_forward(batch.block_ids, batch.positions, *block_context(d, aux, batch))
+            outs.append(draft_logits(d, h, batch, sel))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("head", ["vanilla", "rnn"])
+def test_every_markov_head_trains(tiny_run, head):
+    trainer = Trainer(config(tiny_run, f"head_{head}", steps=2, markov_head_type=head))
+    out, metrics, grad_norm = trainer.train_step()
+    assert torch.isfinite(out.total) and grad_norm > 0
+    assert trainer.drafter.markov_head.markov_w2.weight.grad is not None
+
+
+def test_cli_trains_resumes_exports_and_plots(tiny_run, capsys):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    out = str(tiny_run.root / "cli")
+    base = ["--out", out, "--data-dir", tiny_run.data, "--model", tiny_run.target,
+            "--block-size", "4", "--markov-rank", "8", "--mask-token-id", "1", "--batch-size", "4",
+            "--anchors", "8", "--eval-every", "2", "--eval-sequences", "4", "--log-every", "1",
+            "--checkpoint-every", "2"]
+    run_train(parser.parse_args(base + ["--steps", "2"]))
+    # a bare rerun keeps the saved settings; more steps continue from the checkpoint
+    run_train(parser.parse_args(["--out", out, "--steps", "4", "--train", "--export", out + "/drafter",
+                                 "--export-dtype", "float32", "--plot"]))
+    text = capsys.readouterr().out
+    assert "step 4" in text and os.path.isfile(os.path.join(out, "drafter", "model.safetensors"))
+    assert os.path.getsize(os.path.join(out, "training_curves.png")) > 10_000
+    steps = [json.loads(x)["step"] for x in open(os.path.join(out, LOG)) if '"train"' in x]
+    assert steps == [1, 2, 3, 4]
