@@ -118,6 +118,11 @@ def cmd_demo(args) -> None:
     run_demo(args)
 
 
+def cmd_serve(args) -> None:
+    from dspark.server.launch import run_serve
+    run_serve(args)
+
+
 def cmd_bench(args) -> None:
     from dspark.bench import run_bench
     run_bench(args)
@@ -147,13 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    _engine_args(p)
+    from dspark.server.launch import add_serve_args
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("calibrate", help="fit STS temperatures for the drafter's confidence head")
     _engine_args(p)
     p.add_argument("--data", default=None, help="draft-training data folder: calibrate on its held-out split")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts per kind (chat, code)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", required=True, help="STS calibration JSON to write")
     p.set_defaults(func=cmd_calibrate)
 

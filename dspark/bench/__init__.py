@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-MODES = ("plain", "spec")
+MODES = ("plain", "spec", "serve")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -17,12 +17,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--data", default=None, help="spec: draft-training data folder (its held-out split)")
     p.add_argument("--num-prompts", type=int, default=8, help="spec: prompts per kind")
+    from dspark.bench.serve import add_serve_bench_args
+    add_serve_bench_args(p)
 
 
 def run_bench(args: argparse.Namespace) -> None:
     if args.mode == "plain":
         from dspark.bench.plain import run_plain_bench
         run_plain_bench(args)
+    elif args.mode == "serve":
+        from dspark.bench.serve import run_serve_bench
+        run_serve_bench(args)
     elif args.mode == "spec":
         from dspark.bench.spec import run_spec_bench
         run_spec_bench(args)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -26,7 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from dspark.config import EngineConfig
 from dspark.engine.engine import Engine
 from dspark.sampling_params import SamplingParams
-from dspark.server.async_engine import AsyncEngine, QueueFull, RequestFailed, RequestStream
+from dspark.server.async_engine import (AsyncEngine, EngineNotRunning, QueueFull, RequestFailed,
+                                         RequestStream)
 from dspark.server.errors import APIError, install_error_handlers
 from dspark.server.metrics import RequestCounter, ServerMetrics
 from dspark.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -117,7 +119,10 @@ class ServerState:
         except BaseException as exc:
             for stream in streams:
                 stream.close()
-            raise _as_api_error(exc, prompt_param) from exc
+            mapped = _as_api_error(exc, prompt_param)
+            if mapped is exc:
+                raise
+            raise mapped from exc
         return streams
 
 
@@ -128,7 +133,7 @@ def _as_api_error(exc: BaseException, prompt_param: str) -> BaseException:
         return APIError(400, str(exc), param=prompt_param, code="invalid_prompt")
     if isinstance(exc, RequestFailed):
         return APIError(500, str(exc), code="engine_error")
-    if isinstance(exc, RuntimeError):
+    if isinstance(exc, EngineNotRunning):
         return APIError(503, str(exc), code="engine_unavailable")
     return exc
 
@@ -138,7 +143,9 @@ def default_served_name(model: str | None) -> str:
         from dspark.models.gguf import default_model_path
         model = default_model_path()
     name = os.path.basename(model.rstrip("/"))
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+    if name.endswith(".gguf"):         # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
+        name = re.sub(r"\.(q\d\w*|iq\d\w*|f16|f32|bf16)$", "", name[: -len(".gguf")], flags=re.IGNORECASE)
+    return name
 
 
 def build_app(engine: Engine | EngineConfig, served_model_name: str | None = None,

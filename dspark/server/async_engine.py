@@ -35,6 +35,10 @@ class QueueFull(Exception):
     """More requests are waiting than the server admits; the client should retry later."""
 
 
+class EngineNotRunning(RuntimeError):
+    """The engine thread is not started, or has stopped (shutdown)."""
+
+
 class RequestFailed(Exception):
     """The engine failed while running this request (the server itself keeps serving)."""
 
@@ -159,6 +163,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
         for stream in list(self._streams.values()):
+            if not stream.accepted.done():
+                stream.accepted.set_exception(EngineNotRunning("the server is shutting down"))
             stream.push(RequestFailed("the server is shutting down"))
         self._streams.clear()
 
@@ -179,7 +185,7 @@ class AsyncEngine:
                request_id: str | None = None) -> RequestStream:
         """Queue a request without waiting; raises QueueFull when too many are waiting."""
         if not self.is_running:
-            raise RuntimeError("the engine is not running")
+            raise EngineNotRunning("the engine is not running")
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self)
         with self._cond:
@@ -354,5 +360,5 @@ def _spec_delta(before: SpecStats, after: SpecStats) -> SpecStats:
                      accepted_per_position=positions)
 
 
-__all__ = ["AsyncEngine", "EngineObserver", "EngineState", "QueueFull", "RequestFailed",
-           "RequestStream", "StepReport"]
+__all__ = ["AsyncEngine", "EngineNotRunning", "EngineObserver", "EngineState", "QueueFull",
+           "RequestFailed", "RequestStream", "StepReport"]

@@ -64,7 +64,16 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
     if errors and errors[0].get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_json").response()
     message, param = describe_validation_error(errors)
-    return APIError(400, message, param=param, code="invalid_value").response()
+    return APIError(400, message, param=param, code=_error_code(errors)).response()
+
+
+def _error_code(errors: list[dict[str, Any]]) -> str:
+    kind = str(errors[0].get("type", "")) if errors else ""
+    if kind == "missing":
+        return "missing_required_parameter"
+    if kind.endswith("_type") or len(errors) > 1:       # several errors: every union member failed
+        return "invalid_type"
+    return "invalid_value"
 
 
 async def _api_error_handler(request: Request, exc: APIError) -> JSONResponse:

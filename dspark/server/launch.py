@@ -49,9 +49,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
     from dspark.llm import build_config
+    drafter = None if getattr(args, "no_drafter", False) else getattr(args, "drafter", None)
     return build_config(model=getattr(args, "model", None), dtype=getattr(args, "dtype", "bfloat16"),
-                        drafter=None if getattr(args, "no_drafter", False) else getattr(args, "drafter", None),
-                        sts=getattr(args, "sts", None),
+                        drafter=drafter, sts=getattr(args, "sts", None),
                         max_model_len=getattr(args, "max_model_len", None),
                         max_num_seqs=getattr(args, "max_num_seqs", 64),
                         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -15,8 +14,6 @@ from dspark.server.errors import APIError
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields,
                                     SpecStatsInfo, Usage)
 from dspark.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "stop")
 

@@ -15,6 +15,7 @@ from tiny_server import engine_kwargs, serve
 
 NUM_CLIENTS = 64
 MAX_MODEL_LEN = 256
+KV_TOKENS = NUM_CLIENTS * MAX_MODEL_LEN       # no preemption: leavers must still be running
 
 
 @dataclass
@@ -30,7 +31,7 @@ def jobs(seed: int = 0) -> list[Job]:
     for i in range(NUM_CLIENTS):
         prompt = " ".join(f"w{rng.randrange(0, 120)}" for _ in range(rng.randrange(2, 20)))
         leaves = i % 3 == 0
-        out.append(Job(prompt, 120 if leaves else rng.randrange(4, 24), leaves))
+        out.append(Job(prompt, 220 if leaves else rng.randrange(4, 24), leaves))   # leavers: long
     return out
 
 
@@ -59,12 +60,12 @@ async def run_all(base_url: str, work: list[Job]) -> list[str | None]:
 def test_concurrent_streams_with_disconnects(mode, target_dir, drafter_dir):
     drafter = drafter_dir if mode == "dspark" else None
     work = jobs()
-    kw = engine_kwargs(max_model_len=MAX_MODEL_LEN)
+    kw = engine_kwargs(kv_tokens=KV_TOKENS, max_model_len=MAX_MODEL_LEN)
     offline = LLM(target_dir, drafter=drafter, **kw)
     alone = {i: offline.generate([j.prompt], SamplingParams(temperature=0, max_tokens=j.max_tokens,
                                                            ignore_eos=True))[0].text
              for i, j in enumerate(work) if not j.disconnect}
-    with serve(target_dir, drafter, max_model_len=MAX_MODEL_LEN) as served:
+    with serve(target_dir, drafter, kv_tokens=KV_TOKENS, max_model_len=MAX_MODEL_LEN) as served:
         texts = asyncio.run(run_all(served.base_url, work))
         values = served.wait_idle()
         engine = served.state.engine

@@ -3,8 +3,8 @@ the server keeps serving afterwards: a full queue answers 429, a failing engine 
 
 from __future__ import annotations
 
+import http.client
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tiny_server import serve
+from tiny_server import gated, serve
 
 LONG = " ".join(["w1"] * 200)           # over max_model_len=128
 
@@ -47,7 +47,7 @@ CHAT_CASES = [
     (dict(messages=[{"role": "tool", "content": "w1"}]), 400, "messages", "unknown role tool"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      400, "messages", "messages"),
-    (dict(messages=[{"role": "user"}] * 0 + [{"content": "w1"}]), 400, "messages", "Field required"),
+    (dict(messages=[{"content": "w1"}]), 400, "messages", "Field required"),
     (dict(max_completion_tokens=0), 400, "max_completion_tokens", "max_completion_tokens must be"),
     (dict(messages=[{"role": "user", "content": LONG}]), 400, "messages", "more than the context"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
@@ -68,7 +68,8 @@ def client(served):
 
 
 def good_completion(client) -> str:
-    return client.completions.create(model="tiny", prompt="w1 w2", max_tokens=4, temperature=0).choices[0].text
+    got = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=4, temperature=0)
+    return got.choices[0].text
 
 
 def raw(served, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
@@ -118,7 +119,8 @@ def test_malformed_bodies_and_routes(served):
     status, body = raw(served, "POST", "/v1/completions", b"{not json")
     assert status == 400 and body["error"]["code"] == "invalid_json"
     status, body = raw(served, "POST", "/v1/completions", b'{"model": "tiny"}')
-    assert status == 400 and body["error"]["param"] == "prompt" and "Field required" in body["error"]["message"]
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert "Field required" in body["error"]["message"]
     status, body = raw(served, "POST", "/v1/completions", b'["a list"]')
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     status, body = raw(served, "GET", "/v1/nothing")
@@ -127,31 +129,48 @@ def test_malformed_bodies_and_routes(served):
     assert status == 405 and "error" in body
 
 
+def wait_for(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
 def test_queue_full_answers_429(served, client):
-    engine = served.state.engine
-    real_step, gate = engine.step, threading.Event()
-
-    def gated_step():
-        gate.wait(30)
-        return real_step()
-
-    engine.step = gated_step
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            pending = [pool.submit(good_completion, client) for _ in range(2)]
-            deadline = time.monotonic() + 20
-            while served.state.async_engine.num_waiting < 2 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            with pytest.raises(openai.RateLimitError) as info:
-                good_completion(client)
-            check_error(info.value, 429, None, "max_queue=2")
-            gate.set()
-            assert all(f.result(timeout=30) for f in pending)
-    finally:
+    with gated(served.state.engine) as gate, ThreadPoolExecutor(2) as pool:
+        pending = [pool.submit(good_completion, client) for _ in range(2)]
+        wait_for(lambda: served.state.async_engine.num_waiting == 2)
+        with pytest.raises(openai.RateLimitError) as info:
+            good_completion(client)
+        check_error(info.value, 429, None, "max_queue=2")
         gate.set()
-        engine.step = real_step
+        assert all(f.result(timeout=30) for f in pending)
     values = served.wait_idle()
     assert values[("dspark_http_requests_total", (("endpoint", "/v1/completions"), ("status", "429")))] == 1
+    assert good_completion(client)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_before_any_output_aborts(served, client, stream):
+    """Nothing is sent to a client whose request has not produced output yet; its leaving must
+    still be noticed, and the request aborted, not run to its (long) end."""
+    aborted = ("dspark_requests_aborted_total", ())
+    before = served.metrics()[aborted]
+    body = json.dumps({"model": "tiny", "prompt": "w1 w2", "max_tokens": 100, "ignore_eos": True,
+                       "stream": stream})
+    with gated(served.state.engine):
+        conn = http.client.HTTPConnection("127.0.0.1", served.thread.port, timeout=10)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        wait_for(lambda: served.state.engine.has_unfinished)
+        if stream:
+            assert conn.getresponse().status == 200        # headers come at once; no data yet
+        conn.sock.close()
+        conn.close()
+        time.sleep(0.2)
+    wait_for(lambda: served.metrics()[aborted] == before + 1)
+    served.wait_idle()
+    engine = served.state.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert good_completion(client)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -83,13 +84,15 @@ class Served:
         return read_metrics(self.url)
 
     def wait_idle(self, timeout: float = 20.0) -> dict[tuple[str, tuple], float]:
-        """Aborts land asynchronously: wait until /metrics shows nothing waiting or running."""
+        """Aborts land asynchronously: wait until the engine holds no request and /metrics,
+        published after the engine's last turn, shows nothing waiting or running."""
         deadline = time.monotonic() + timeout
         while True:
+            busy = self.state.engine.has_unfinished or self.state.async_engine.num_waiting
             values = self.metrics()
             idle = (values[("dspark_num_requests_running", ())] == 0
                     and values[("dspark_num_requests_waiting", ())] == 0)
-            if idle or time.monotonic() > deadline:
+            if (idle and not busy) or time.monotonic() > deadline:
                 return values
             time.sleep(0.05)
 
@@ -108,3 +111,20 @@ def read_metrics(url: str) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+@contextmanager
+def gated(engine) -> Iterator[threading.Event]:
+    """Hold every engine step until the yielded event is set (requests pile up meanwhile)."""
+    real_step, gate = engine.step, threading.Event()
+
+    def gated_step():
+        gate.wait(30)
+        return real_step()
+
+    engine.step = gated_step
+    try:
+        yield gate
+    finally:
+        gate.set()
+        engine.step = real_step
