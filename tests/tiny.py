@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 
@@ -95,3 +96,18 @@ def save_random_drafter(path: str, target_dir: str, gamma: int = 4, markov_type:
             drafter.markov_head.markov_w2.weight.copy_(eye)
     save_speculators(drafter, path)
     return drafter
+
+
+def run_staggered(llm, prompts, params, seed: int = 1) -> list[list[int]]:
+    """Submit requests a few at a time between engine steps; token ids in submission order."""
+    rng, engine, pending = random.Random(seed), llm.engine, list(zip(prompts, params))
+    ids, done = {}, {}
+    while pending or engine.has_unfinished:
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                p, sp = pending.pop(0)
+                ids[engine.add_request(p, sp)] = len(ids)
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.token_ids
+    return [done[i] for i in range(len(prompts))]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from tiny import save_tiny
+from tiny import run_staggered, save_tiny
 
 BLOCK = 4
 
@@ -46,20 +46,6 @@ def test_submitted_together(model_dir, alone):
     assert [o.token_ids for o in outs] == alone
     assert all(len(o.token_ids) == sp.max_tokens for o, sp in zip(outs, params))
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-
-
-def run_staggered(llm, prompts, params, seed=1):
-    rng, engine, pending = random.Random(seed), llm.engine, list(zip(prompts, params))
-    ids, done = {}, {}
-    while pending or engine.has_unfinished:
-        for _ in range(rng.randrange(0, 3)):
-            if pending:
-                p, sp = pending.pop(0)
-                ids[engine.add_request(p, sp)] = len(ids)
-        for out in engine.step():
-            if out.finished:
-                done[ids[out.request_id]] = out.token_ids
-    return [done[i] for i in range(len(prompts))]
 
 
 def test_staggered_arrivals(model_dir, alone):

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from dspark import LLM, SamplingParams
-from tiny import save_random_drafter, save_tiny
+from tiny import run_staggered, save_random_drafter, save_tiny
 
 VOCAB = 32
 
@@ -39,20 +39,6 @@ def workload(n, seed=0, max_out=40):
     return prompts, params
 
 
-def staggered(llm, prompts, params, seed=1):
-    rng, engine, pending = random.Random(seed), llm.engine, list(zip(prompts, params))
-    ids, done = {}, {}
-    while pending or engine.has_unfinished:
-        for _ in range(rng.randrange(0, 3)):
-            if pending:
-                p, sp = pending.pop(0)
-                ids[engine.add_request(p, sp)] = len(ids)
-        for out in engine.step():
-            if out.finished:
-                done[ids[out.request_id]] = out.token_ids
-    return [done[i] for i in range(len(prompts))]
-
-
 @pytest.fixture(scope="module")
 def reference(target_dir):
     llm = make_llm(target_dir)
@@ -81,7 +67,7 @@ def test_greedy_lossless_staggered_and_preempted(tmp_path_factory, target_dir, r
     d = drafter(tmp_path_factory, target_dir, gamma=4, markov_type="vanilla")
     prompts, params = workload(16)
     llm = make_llm(target_dir, d, kv_tokens=160, max_num_batched_tokens=48, max_model_len=128)
-    assert staggered(llm, prompts, params) == reference
+    assert run_staggered(llm, prompts, params) == reference
     assert llm.engine.scheduler.num_preemptions > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks

@@ -4,7 +4,6 @@ import os
 import textwrap
 
 import pytest
-import torch
 
 from dspark.train.data import (EpochSampler, GenerateConfig, done_uids, generate_shards, load_samples,
                                read_shard, shard_paths)
@@ -75,6 +74,11 @@ def test_heldout_split_is_stable_and_near_the_fraction():
     assert is_heldout("g1", 0.05, seed=0) == is_heldout("g1", 0.05, seed=0)
 
 
+def by_uid(shard: dict) -> dict[str, list[int]]:
+    offsets = shard["offsets"].tolist()
+    return {uid: shard["tokens"][offsets[i]:offsets[i + 1]].tolist() for i, uid in enumerate(shard["uids"])}
+
+
 def test_generation_writes_shards_and_resumes_identically(tmp_path):
     target = tiny_target(str(tmp_path / "t"))
     cfg = generate_tiny_data(target, str(tmp_path / "d"), num=20, max_tokens=12, chunk_size=8)
@@ -87,11 +91,15 @@ def test_generation_writes_shards_and_resumes_identically(tmp_path):
         n_prompt = len(prompts[uid].ids)
         assert shard["tokens"][lo:lo + n_prompt].tolist() == prompts[uid].ids
         assert not shard["loss_mask"][lo:lo + n_prompt].any() and shard["loss_mask"][lo + n_prompt:hi].all()
-    last = read_shard(paths[-1])
-    os.remove(paths[-1])                                   # an interrupted run
-    generate_tiny_data(target, cfg.data_dir, num=20, max_tokens=12, chunk_size=8)
-    again = read_shard(shard_paths(cfg.data_dir)[-1])
-    assert again["uids"] == last["uids"] and torch.equal(again["tokens"], last["tokens"])
+    middle = by_uid(read_shard(paths[1]))
+    os.remove(paths[1])                                    # a lost shard
+    # regenerated in other batches (chunks of 5): per-request seeds give the same responses
+    generate_tiny_data(target, cfg.data_dir, num=20, max_tokens=12, chunk_size=5)
+    after = shard_paths(cfg.data_dir)
+    assert [os.path.basename(p) for p in after] == [
+        "shard_00000.pt", "shard_00002.pt", "shard_00003.pt", "shard_00004.pt"]  # no name reused
+    again = {**by_uid(read_shard(after[2])), **by_uid(read_shard(after[3]))}
+    assert again == middle and len(done_uids(cfg.data_dir)) == 20
     with pytest.raises(ValueError, match="other settings"):
         generate_shards(None, tiny_prompts(20), GenerateConfig(**{**cfg.__dict__, "max_tokens": 5}))
 

@@ -125,7 +125,8 @@ def test_confidence_target_is_detached_from_the_draft_distribution():
     logits, teacher, labels, conf, weights, *_ = hand_case()
     logits = logits.clone().requires_grad_(True)
     conf = conf.clone().requires_grad_(True)
-    dspark_loss(logits, teacher, labels, conf, weights, LossWeights(ce=0.0, l1=0.0, conf=1.0)).total.backward()
+    alphas = LossWeights(ce=0.0, l1=0.0, conf=1.0)
+    dspark_loss(logits, teacher, labels, conf, weights, alphas).total.backward()
     assert logits.grad is None or not logits.grad.any()
     assert conf.grad.abs().sum() > 0
 
@@ -133,7 +134,8 @@ def test_confidence_target_is_detached_from_the_draft_distribution():
 def test_l1_gradient_moves_the_draft_toward_the_teacher():
     teacher = torch.tensor([[0.7, 0.2, 0.1]])
     logits = torch.zeros(1, 3, requires_grad=True)
-    out = dspark_loss(logits, teacher, torch.tensor([0]), None, torch.ones(1), LossWeights(ce=0, l1=1, conf=0))
+    alphas = LossWeights(ce=0, l1=1, conf=0)
+    out = dspark_loss(logits, teacher, torch.tensor([0]), None, torch.ones(1), alphas)
     out.total.backward()
     assert logits.grad[0, 0] < 0 < logits.grad[0, 2]
 
@@ -144,3 +146,38 @@ def test_per_position_rates_and_tau():
     assert per_position_mean(values, sup).tolist() == [0.5, 0.5]
     assert expected_accept_length(torch.tensor([0.5, 0.5])).item() == pytest.approx(1.75)
     assert expected_accept_length(torch.tensor([1.0, 1.0, 1.0])).item() == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("with_bias,dtype", [(True, torch.float32), (False, torch.float32),
+                                             (True, torch.bfloat16)])
+def test_fused_loss_matches_the_reference_values_and_gradients(with_bias, dtype):
+    from dspark.train.fused_loss import fused_dspark_loss
+    g = torch.Generator().manual_seed(0)
+    m, v, u = 9, 50, 5
+    base = (torch.randn(m, v, generator=g) * 2).to(dtype).requires_grad_(True)
+    bias = torch.randn(m, v, generator=g).requires_grad_(True) if with_bias else None
+    teacher = torch.softmax(torch.randn(u, v, generator=g) * 2, -1)
+    index = torch.randint(0, u, (m,), generator=g)
+    labels = torch.randint(0, v, (m,), generator=g)
+    conf = torch.randn(m, generator=g, requires_grad=True)
+    weights = position_weights(3)[torch.arange(m) % 3]
+
+    top = torch.randint(0, v, (m,), generator=g)
+    logits = base.detach().float() + (bias.detach() if with_bias else 0)
+    top[::2] = logits[::2].argmax(-1)                      # half the rows match
+    out, match = fused_dspark_loss(base, bias, teacher, index, labels, conf, weights, top, chunk=4)
+    out.total.backward()
+    grads = [base.grad.clone(), conf.grad.clone()] + ([bias.grad.clone()] if with_bias else [])
+    for t in [base, conf] + ([bias] if with_bias else []):
+        t.grad = None
+    logits = base.float() + (bias if with_bias else 0)
+    ref = dspark_loss(logits, teacher[index], labels, conf, weights)
+    ref.total.backward()
+    ref_grads = [base.grad, conf.grad] + ([bias.grad] if with_bias else [])
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    for a, b in [(out.total, ref.total), (out.ce, ref.ce), (out.l1, ref.l1), (out.conf, ref.conf),
+                 (out.accept, ref.accept)]:
+        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a.float(), b.float(), **tol)
+    assert torch.equal(match, logits.argmax(-1) == top) and match[::2].all()

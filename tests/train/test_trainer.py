@@ -11,7 +11,7 @@ from dspark.models.drafter_loader import load_drafter
 from dspark.models.loader import load_target
 from dspark.train.cli import add_train_args, run_train
 from dspark.train.features import TargetFeatureExtractor
-from dspark.train.forward import block_context, draft_logits, supervised_slots
+from dspark.train.forward import block_context, draft_rows, supervised_slots
 from dspark.train.loss import build_block_batch
 from dspark.train.trainer import (LOG, TrainConfig, Trainer, default_target_layer_ids, lr_lambda,
                                   pick_mask_token_id)
@@ -131,10 +131,11 @@ def test_resume_refuses_a_different_architecture(tiny_run):
         Trainer(config(tiny_run, "arch", steps=1, markov_rank=4))
 
 
-def test_export_loads_back_with_identical_logits(tiny_run):
-    trainer = Trainer(config(tiny_run, "export", steps=3, markov_head_type="gated"))
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
+def test_export_loads_back_with_identical_logits(tiny_run, head):
+    trainer = Trainer(config(tiny_run, f"export_{head}", steps=3, markov_head_type=head))
     trainer.train(use_tqdm=False)
-    path = trainer.export(str(tiny_run.root / "exported"), torch.float32)
+    path = trainer.export(str(tiny_run.root / f"exported_{head}"), torch.float32)
     raw = json.load(open(os.path.join(path, "config.json")))
     assert raw["speculators_model_type"] == "dspark" and raw["mask_token_id"] == 1
     assert raw["aux_hidden_state_layer_ids"] == [i + 1 for i in trainer.cfg.target_layer_ids]
@@ -146,12 +147,18 @@ def test_export_loads_back_with_identical_logits(tiny_run):
                               torch.Generator().manual_seed(0))
     sel = supervised_slots(batch)
     aux = trainer.extractor(batch.tokens, batch.seq_offsets, sel.teacher_rows).aux_hidden
-    outs = []
     with torch.no_grad():
-        for d in (trainer.drafter.eval(), loaded):
-            h = d.block_forward(batch.block_ids, batch.positions, *block_context(d, aux, batch))
-            outs.append(draft_logits(d, h, batch, sel))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        d = trainer.drafter.eval()
+        rows = draft_rows(d, d.block_forward(batch.block_ids, batch.positions,
+                                             *block_context(d, aux, batch)), batch, sel)
+        # the loaded drafter through the inference API (Drafter.base_logits / markov_bias)
+        h = loaded.draft_hidden(loaded.block_forward(batch.block_ids, batch.positions,
+                                                     *block_context(loaded, aux, batch)))
+        h_sel = h[sel.blocks, sel.slots]
+        e = loaded.markov_embed(batch.prev_ids[sel.blocks, sel.slots])
+        logits = loaded.base_logits(h_sel) + loaded.markov_bias(e, h_sel, None)[0]
+        conf = loaded.confidence_logits(h_sel, e)
+    assert torch.equal(rows.corrected(), logits) and torch.equal(rows.conf_logits, conf)
 
 
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
