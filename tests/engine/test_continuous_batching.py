@@ -103,3 +103,10 @@ def test_abort_frees_blocks(model_dir):
     assert not engine.has_unfinished
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.abort(rids[0])
+
+
+def test_streamed_text_never_retracts_a_stop_string():
+    from dspark.engine.engine import _stop_prefix_len
+    assert _stop_prefix_len("hello wor", ["world"]) == 3
+    assert _stop_prefix_len("hello", ["xyz", "lo!"]) == 2
+    assert _stop_prefix_len("hello", []) == 0
