@@ -1,4 +1,4 @@
-"""The `dspark` command line: generate | chat | demo | bench."""
+"""The `dspark` command line: generate | chat | demo | serve | calibrate | train-draft | bench."""
 
 from __future__ import annotations
 
@@ -96,13 +96,21 @@ def cmd_chat(args) -> None:
         print(reply, flush=True)
 
 
+def eval_prompts(data_dir: str | None, tokenizer, limit: int) -> dict[str, list[list[int]]]:
+    """The draft-training data's held-out prompts when given, else the built-in ones."""
+    if data_dir is None:
+        from dspark.bench.heldout import builtin_prompts
+        return builtin_prompts(tokenizer, limit)
+    from dspark.train.heldout import heldout_prompts
+    return heldout_prompts(data_dir, limit)
+
+
 def cmd_calibrate(args) -> None:
-    from dspark.bench.heldout import heldout_prompts
     from dspark.calibrate import run_calibration
     from dspark.llm import LLM
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter or "embedded",
               max_num_seqs=args.max_num_seqs)
-    kinds = heldout_prompts(args.data, llm.tokenizer, args.num_prompts)
+    kinds = eval_prompts(args.data, llm.tokenizer, args.num_prompts)
     prompts = kinds["chat"] + kinds["code"]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     cal = run_calibration(llm, prompts, params, dataset=args.data or "built-in prompts")
@@ -125,7 +133,13 @@ def cmd_serve(args) -> None:
 
 def cmd_bench(args) -> None:
     from dspark.bench import run_bench
+    args.prompt_source = eval_prompts
     run_bench(args)
+
+
+def cmd_train_draft(args) -> None:
+    from dspark.train.cli import run_train
+    run_train(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", required=True, help="STS calibration JSON to write")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("train-draft", help="generate data, train, export and plot a DSpark drafter")
+    from dspark.train.cli import add_train_args
+    add_train_args(p)
+    p.set_defaults(func=cmd_train_draft)
 
     p = sub.add_parser("bench", help="benchmarks (see dspark/bench)")
     _engine_args(p)

@@ -27,9 +27,17 @@ def _timed(llm, ids, params):
 def run_demo(args) -> None:
     from dspark import LLM, SamplingParams
     from dspark.cli import format_spec_stats
+    import os
+
+    from dspark.config import EMBEDDED_DRAFTER_DIR
     plain = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=None)
-    spec = None if args.no_drafter else LLM(args.model, dtype=args.dtype, num_threads=args.threads,
-                                             drafter=args.drafter or "embedded")
+    drafter = args.drafter
+    if drafter is None and args.model is None and os.path.isdir(EMBEDDED_DRAFTER_DIR):
+        drafter = "embedded"
+    if drafter is None and not args.no_drafter:
+        print("(no drafter for this model: pass --drafter to compare; showing plain decoding only)")
+    spec = None if args.no_drafter or drafter is None else LLM(
+        args.model, dtype=args.dtype, num_threads=args.threads, drafter=drafter)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     prompts = _prompts(plain.tokenizer)
     for llm in filter(None, (plain, spec)):

@@ -10,7 +10,6 @@ import json
 import statistics
 import time
 
-from dspark.bench.heldout import heldout_prompts
 from dspark.outputs import SpecStats
 
 
@@ -30,7 +29,7 @@ def run_spec_bench(args) -> None:
     plain = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=None)
     spec = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter or "embedded")
     params = SamplingParams(temperature=0, max_tokens=args.batch1_tokens)
-    kinds = heldout_prompts(args.data, plain.tokenizer, args.num_prompts)
+    kinds = args.prompt_source(args.data, plain.tokenizer, args.num_prompts)
     for llm in (plain, spec):
         llm.generate([kinds["code"][0]], SamplingParams(temperature=0, max_tokens=8))      # warm-up
     rows, summary = [], {"bench": "spec", "dtype": args.dtype, "max_tokens": args.batch1_tokens}

@@ -2,7 +2,7 @@
 
     dspark train-draft --out runs/smollm2 --generate-data --num-prompts 4000
     dspark train-draft --out runs/smollm2 --steps 3000            # trains; rerun to resume
-    dspark train-draft --out runs/smollm2 --export drafters/smollm2-dspark --plot
+    dspark train-draft --out runs/smollm2 --export dspark/assets/smollm2-135m-instruct-dspark --plot
 
 Actions run in the order generate -> train -> export -> plot; with none of them given, the
 command trains. Every long action picks up where an interrupted run of it stopped.
@@ -14,6 +14,11 @@ import argparse
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:      # the heavy modules load only when a command runs
+    from dspark.train.data import GenerateConfig
+    from dspark.train.trainer import TrainConfig, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +27,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run directory: checkpoint, log, plots (and data)")
     p.add_argument("--data-dir", default=None, help="data shards (default: <out>/data)")
     p.add_argument("--model", default=None, help="target HF folder or .gguf (default: embedded SmolLM2)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: with other jobs on the same two cores, two "
+                        "threads measured 7x slower per step; use 2 on an idle machine)")
     act = p.add_argument_group("actions (in this order; default: --train)")
     act.add_argument("--generate-data", action="store_true", help="generate the target's responses")
     act.add_argument("--train", action="store_true", help="train (continues from <out>/checkpoint.pt)")
@@ -71,17 +78,17 @@ TRAIN_FLAGS = (
 )
 
 
-def generate_config(args) -> "GenerateConfig":  # noqa: F821
+def generate_config(args) -> GenerateConfig:
     from dspark.train.data import GenerateConfig
     return GenerateConfig(
         data_dir=args.data_dir or os.path.join(args.out, "data"), num_prompts=args.num_prompts,
         seed=args.seed or 0, heldout_fraction=args.heldout_fraction,
         chat_fraction=args.chat_fraction, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, chunk_size=args.chunk_size,
-        max_num_seqs=args.max_num_seqs, model=args.model)
+        max_num_seqs=args.max_num_seqs, model=args.model, threads=args.threads)
 
 
-def train_config(args) -> "TrainConfig":  # noqa: F821
+def train_config(args) -> TrainConfig:
     """TrainConfig defaults, overridden by the run's saved config, overridden by explicit flags,
     so rerunning a bare `--out DIR` continues with the settings the run started with."""
     from dspark.train.trainer import TrainConfig, read_saved_config
@@ -129,7 +136,7 @@ def run_train(args) -> None:
         print(f"wrote {plot_training(os.path.join(args.out, LOG))}")
 
 
-def _trainer(args, train: bool):
+def _trainer(args, train: bool) -> Trainer:
     from dspark.train.trainer import CHECKPOINT, Trainer
     has_checkpoint = os.path.isfile(os.path.join(args.out, CHECKPOINT))
     if (args.resume or (args.export and not train)) and not has_checkpoint:

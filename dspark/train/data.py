@@ -13,7 +13,9 @@ stopped. A manifest pins the settings; resuming with different ones is an error,
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from dspark.sampling_params import SamplingParams
 from dspark.train.prompts import Prompt, build_prompts, is_heldout
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class GenerateConfig:
     max_num_seqs: int = 64            # engine batch
     model: str | None = None          # None = the embedded SmolLM2-135M-Instruct
     dtype: str = "bfloat16"
+    threads: int | None = None        # torch CPU threads (None: leave as is)
 
 
 @dataclass
@@ -132,6 +136,12 @@ def read_shard(path: str) -> dict:
     return shard
 
 
+def _next_shard_index(data_dir: str) -> int:
+    """One past the highest existing shard number (never reuse the name of a kept shard)."""
+    names = [os.path.basename(p)[len("shard_"):-len(".pt")] for p in shard_paths(data_dir)]
+    return max((int(n) for n in names if n.isdigit()), default=-1) + 1
+
+
 def done_uids(data_dir: str) -> set[str]:
     return {uid for path in shard_paths(data_dir) for uid in read_shard(path)["uids"]}
 
@@ -155,22 +165,22 @@ def _check_manifest(cfg: GenerateConfig) -> None:
 
 # ---- generation --------------------------------------------------------------------------------
 
-def sampling_params(cfg: GenerateConfig):
-    from dspark.sampling_params import SamplingParams
+def sampling_params(cfg: GenerateConfig) -> SamplingParams:
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens)
 
 
 def generate_shards(llm, prompts: Sequence[EncodedPrompt], cfg: GenerateConfig) -> int:
     """Generate the responses of every prompt not yet in a shard; returns prompts generated.
 
-    Each request carries a seed derived from its uid, so a response does not depend on which
-    other prompts share its batch: a resumed run writes what an uninterrupted one would have.
+    Each request carries a seed derived from its uid, so its random draws do not depend on which
+    other prompts share its batch: a resumed run writes what an uninterrupted one would have
+    (up to the last bits of batched bf16 matmuls, which can differ with the batch shape).
     """
     _check_manifest(cfg)
     done = done_uids(cfg.data_dir)
     todo = [p for p in prompts if p.uid not in done]
     base = sampling_params(cfg)
-    next_index = len(shard_paths(cfg.data_dir))
+    next_index = _next_shard_index(cfg.data_dir)
     logger.info("%d prompts, %d already generated, %d to go", len(prompts), len(prompts) - len(todo),
                 len(todo))
     start, new_tokens = time.perf_counter(), 0
@@ -189,9 +199,7 @@ def generate_shards(llm, prompts: Sequence[EncodedPrompt], cfg: GenerateConfig) 
     return len(todo)
 
 
-def _seeded(base, uid: str, seed: int):
-    import dataclasses
-    import hashlib
+def _seeded(base: SamplingParams, uid: str, seed: int) -> SamplingParams:
     request_seed = int.from_bytes(hashlib.sha256(f"{seed}:{uid}".encode()).digest()[:4], "big")
     return dataclasses.replace(base, seed=request_seed)
 
@@ -199,8 +207,8 @@ def _seeded(base, uid: str, seed: int):
 def generate_data(cfg: GenerateConfig) -> int:
     """Build the prompt list, run the target over the missing ones, write shards."""
     from dspark.llm import LLM
-    llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-              max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 1)
+    llm = LLM(cfg.model, dtype=cfg.dtype, drafter=None, max_num_seqs=cfg.max_num_seqs,
+              max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 1, num_threads=cfg.threads)
     if llm.tokenizer is None:
         raise ValueError("data generation needs a target with a tokenizer (and chat template)")
     prompts = build_prompts(cfg.num_prompts, cfg.seed, cfg.chat_fraction)

@@ -1,8 +1,10 @@
 """One training forward: target features -> drafter blocks -> loss and diagnostics.
 
-The drafter runs through exactly the modules inference uses (`project_context`, `context_kv`,
-`block_forward`, `base_logits`, `markov_bias`, `confidence_logits`), so a trained checkpoint
-cannot be fed a layout it never saw. All blocks of a batch go through one `block_forward`: each
+The drafter runs through the modules inference uses (`project_context`, `context_kv`,
+`block_forward`, `confidence_logits`; the LM head and the Markov head's W2 are applied as in
+`base_logits` / `markov_bias` minus their final fp32 cast, which the fused loss does chunk by
+chunk; a test checks the logits against the inference API), so a trained checkpoint cannot be
+fed a layout it never saw. All blocks of a batch go through one `block_forward`: each
 block gathers its own sequence's context K/V (computed once per token, like the engine's cache)
 with ctx_valid[n] = positions < its anchor (reference/dspark_algorithm.md §3.3, §5.2).
 
@@ -18,8 +20,9 @@ import torch
 
 from dspark.models.drafter import Drafter
 from dspark.train.features import TargetFeatureExtractor
-from dspark.train.loss import (BlockBatch, LossOutput, LossWeights, dspark_loss,
-                               expected_accept_length, per_position_mean, position_weights)
+from dspark.train.fused_loss import fused_dspark_loss
+from dspark.train.loss import (BlockBatch, LossOutput, LossWeights, expected_accept_length,
+                               per_position_mean, position_weights)
 
 
 @dataclass
@@ -67,27 +70,52 @@ def block_context(drafter: Drafter, aux_hidden: torch.Tensor,
     return [k[gather] for k, _ in kv], [v[gather] for _, v in kv], valid.to(dev)
 
 
-def draft_logits(drafter: Drafter, h_block: torch.Tensor, batch: BlockBatch,
-                 sel: SupervisedSlots) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Corrected logits U + B [M, V] fp32 and confidence logits [M] at the supervised slots."""
+@dataclass
+class DraftRows:
+    """The drafter's outputs at the supervised slots (M rows, slot-major)."""
+    base: torch.Tensor               # [M, V] U = lm_head(h), in the autocast dtype
+    bias: torch.Tensor | None        # [M, V] Markov bias B (None without a Markov head)
+    conf_logits: torch.Tensor | None  # [M] confidence logits z
+
+    def corrected(self) -> torch.Tensor:
+        """[M, V] fp32 U + B, the draft logits inference samples from."""
+        return self.base.float() if self.bias is None else self.base.float() + self.bias.float()
+
+
+def draft_rows(drafter: Drafter, h_block: torch.Tensor, batch: BlockBatch,
+               sel: SupervisedSlots) -> DraftRows:
+    """Base logits, Markov bias and confidence logits at the supervised slots.
+
+    U is `drafter.lm_head(h)` kept in the matmul's dtype: `Drafter.base_logits` is the same
+    product cast to fp32, a copy the fused loss makes chunk by chunk instead (training builds
+    full-vocabulary drafters only, so the draft-vocabulary branch of base_logits never applies).
+    """
     cfg = drafter.config
     h = drafter.draft_hidden(h_block)                                             # [N, γ, d]
     dev = h.device
     blocks, slots = sel.blocks.to(dev), sel.slots.to(dev)
     h_sel = h[blocks, slots]                                                      # [M, d]
-    logits = drafter.base_logits(h_sel)                                           # [M, V]
-    e = None
+    base = drafter.lm_head(h_sel.to(drafter.lm_head.weight.dtype))                # [M, V]
+    e = bias = None
     if cfg.markov_rank > 0:
         prev = batch.prev_ids.to(dev)
         e = drafter.markov_embed(prev[blocks, slots])                             # [M, r]
         if cfg.markov_head_type == "rnn":
             bias = _rnn_bias(drafter, h_block, h, prev, batch, sel)
         else:
-            bias, _ = drafter.markov_bias(e, h_sel, None)
-        logits = logits + bias
-    logits = drafter.scatter_to_target_vocab(logits)
+            bias = _stateless_bias(drafter, e, h_sel)
     conf = drafter.confidence_logits(h_sel, e) if cfg.enable_confidence_head else None
-    return logits, conf
+    return DraftRows(base, bias, conf)
+
+
+def _stateless_bias(drafter: Drafter, e: torch.Tensor, h_k: torch.Tensor) -> torch.Tensor:
+    """`Drafter.markov_bias` for the vanilla and gated heads without its final fp32 cast (an
+    [M, V] copy each way); the export test checks both give the same logits."""
+    head = drafter.markov_head
+    if head.head_type == "vanilla":
+        return head.markov_w2(e)
+    gate = torch.sigmoid(head.gate_proj(torch.cat([h_k.to(e.dtype), e], dim=-1)))
+    return head.markov_w2(gate * e)
 
 
 def _rnn_bias(drafter: Drafter, h_block: torch.Tensor, h: torch.Tensor, prev: torch.Tensor,
@@ -113,6 +141,8 @@ def _grid(values: torch.Tensor, sel: SupervisedSlots, batch: BlockBatch) -> torc
 def training_forward(drafter: Drafter, extractor: TargetFeatureExtractor, batch: BlockBatch,
                      alphas: LossWeights, autocast: bool) -> tuple[LossOutput, StepMetrics]:
     """Run target and drafter over one batch; the loss is ready for backward."""
+    if drafter.config.uses_draft_vocab:
+        raise NotImplementedError("training a reduced draft vocabulary is not supported")
     sel = supervised_slots(batch)
     feats = extractor(batch.tokens, batch.seq_offsets, sel.teacher_rows)
     dev = feats.aux_hidden.device
@@ -120,16 +150,18 @@ def training_forward(drafter: Drafter, extractor: TargetFeatureExtractor, batch:
         ctx_k, ctx_v, valid = block_context(drafter, feats.aux_hidden, batch)
         h_block = drafter.block_forward(batch.block_ids.to(dev), batch.positions.to(dev), ctx_k,
                                         ctx_v, valid)
-        logits, conf = draft_logits(drafter, h_block, batch, sel)
+        rows = draft_rows(drafter, h_block, batch, sel)
     with torch.no_grad():
-        teacher_all = torch.softmax(feats.teacher_logits, dim=-1)                 # [U, V]
-        target_argmax = feats.teacher_logits.argmax(-1)[sel.teacher_index.to(dev)]
-    teacher = teacher_all[sel.teacher_index.to(dev)]                               # [M, V]
+        teacher = torch.softmax(feats.teacher_logits, dim=-1)                     # [U, V]
+        target_argmax = feats.teacher_logits.argmax(-1)
+    index = sel.teacher_index.to(dev)
     weights = position_weights(batch.supervised.shape[1], alphas.decay).to(dev)[sel.slots.to(dev)]
     labels = batch.labels.to(dev)[sel.blocks.to(dev), sel.slots.to(dev)]
-    out = dspark_loss(logits, teacher, labels, conf, weights, alphas)
-    match = (logits.detach().argmax(-1) == target_argmax).float()
+    out, top_match = fused_dspark_loss(rows.base, rows.bias, teacher, index, labels,
+                                       rows.conf_logits, weights, target_argmax[index], alphas)
+    match = top_match.float()
     sup = batch.supervised
+    conf = rows.conf_logits
     metrics = StepMetrics(
         accept=per_position_mean(_grid(out.accept, sel, batch), sup),
         greedy_match=per_position_mean(_grid(match, sel, batch), sup),

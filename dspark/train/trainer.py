@@ -27,8 +27,8 @@ from dspark.models.loader import LoadedTarget, load_target
 from dspark.models.model_config import ModelConfig
 from dspark.train.data import EpochSampler, Sample, atomic_save, load_samples
 from dspark.train.features import TargetFeatureExtractor
-from dspark.train.forward import MetricPool, training_forward
-from dspark.train.loss import LossWeights, build_block_batch
+from dspark.train.forward import MetricPool, StepMetrics, training_forward
+from dspark.train.loss import LossOutput, LossWeights, build_block_batch
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ class TrainConfig:
                self.anchors_per_seq) < 1:
             raise ValueError("block_size, num_draft_layers, steps, batch_size and anchors_per_seq "
                              "must all be >= 1")
+        if self.min_loss_tokens < 2:
+            raise ValueError("min_loss_tokens must be >= 2: a sequence needs an anchor and a label")
 
     @property
     def data_path(self) -> str:
@@ -278,8 +280,9 @@ class Trainer:
                                  self.cfg.block_size, self.cfg.mask_token_id,
                                  self.cfg.anchors_per_seq, generator)
 
-    def train_step(self):
-        """One optimiser step on the next batch; returns (LossOutput, StepMetrics, grad norm)."""
+    def train_step(self) -> tuple[LossOutput, StepMetrics, float]:
+        """One optimiser step on the next batch; returns the loss, the metrics and the grad norm
+        (before clipping)."""
         samples = [self.train_samples[i] for i in self.sampler.next_batch(self.cfg.batch_size)]
         batch = self._batch(samples, self.anchor_gen)
         self.drafter.train()
@@ -311,20 +314,21 @@ class Trainer:
     def train(self, use_tqdm: bool = True) -> dict:
         """Run to `cfg.steps`, logging, evaluating and checkpointing; returns the last eval."""
         cfg, last_eval = self.cfg, {}
-        window, t_window, start = MetricPool(cfg.block_size), time.perf_counter(), time.perf_counter()
+        window, busy, start = MetricPool(cfg.block_size), 0.0, time.perf_counter()
         grad_norms: list[float] = []
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", disable=not use_tqdm)
         while self.step < cfg.steps:
+            t0 = time.perf_counter()
             out, metrics, grad_norm = self.train_step()
+            busy += time.perf_counter() - t0          # throughput excludes eval and checkpoints
             window.add(out, metrics)
             grad_norms.append(grad_norm)
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                record = self._train_record(window, grad_norms, time.perf_counter() - t_window,
-                                            time.perf_counter() - start)
+                record = self._train_record(window, grad_norms, busy, time.perf_counter() - start)
                 self.log(record)
                 bar.set_postfix_str(_postfix(record))
-                window, t_window, grad_norms = MetricPool(cfg.block_size), time.perf_counter(), []
+                window, busy, grad_norms = MetricPool(cfg.block_size), 0.0, []
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                 last_eval = self.evaluate()
                 if last_eval:

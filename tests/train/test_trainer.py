@@ -23,8 +23,10 @@ def tiny_run(tmp_path_factory):
     """A tiny target (4 layers, vocab 96) and 60 generated responses, shared by the module."""
     root = tmp_path_factory.mktemp("tiny")
     target = tiny_target(str(root / "target"))
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # see conftest.py; the engine below would keep whatever it finds
     cfg = generate_tiny_data(target, str(root / "data"), num=60, max_tokens=32, chunk_size=32)
+    torch.set_num_threads(threads)
     return types.SimpleNamespace(root=root, target=target, data=cfg.data_dir)
 
 
