@@ -84,18 +84,56 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return probs
 
 
+CANDIDATES = 256   # truncation first looks at the top candidates only; exact when they suffice
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask tokens outside top-k / top-p with -inf.
+
+    Sorting the whole vocabulary for every row dominates a sampled decode step, so the top
+    CANDIDATES logits are examined first: when every row's kept set ends inside them (top-k
+    within them and the top-p mass reached), the result is exact; otherwise the full sort runs.
+    """
+    v = logits.shape[-1]
+    if v > CANDIDATES:
+        cand, index = logits.topk(CANDIDATES, dim=-1)
+        norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+        if top_k is not None:
+            within = (top_k <= CANDIDATES)[:, None]
+            top_norm = torch.logsumexp(_rank_drop(cand, top_k), dim=-1, keepdim=True)
+            norm = torch.where(within, top_norm, norm)
+        drop = _truncation(cand, norm, top_k, top_p)
+        exact = drop[:, -1] | ((top_k <= CANDIDATES) if top_k is not None and top_p is None else False)
+        if top_k is not None:        # a top-k beyond the candidates: its normaliser is unknown here
+            exact &= (top_k <= CANDIDATES) | (top_k >= v)
+        if bool(exact.all()):
+            out = torch.full_like(logits, float("-inf"))
+            return out.scatter_(-1, index, cand.masked_fill(drop, float("-inf")))
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        drop |= ranks >= top_k[:, None]
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        before = probs.cumsum(dim=-1) - probs        # mass strictly above each token
-        drop |= before >= top_p[:, None]             # the first token is always kept
+    norm = torch.logsumexp(_rank_drop(sorted_logits, top_k), dim=-1, keepdim=True)
+    drop = _truncation(sorted_logits, norm, top_k, top_p)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _rank_drop(sorted_logits: torch.Tensor, top_k: torch.Tensor | None) -> torch.Tensor:
+    if top_k is None:
+        return sorted_logits
+    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)[None, :]
+    return sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+
+
+def _truncation(sorted_logits: torch.Tensor, norm: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None) -> torch.Tensor:
+    """sorted (descending) logits [N, K], log-normaliser of the top-k distribution [N, 1] ->
+    drop mask [N, K]: rank >= top_k, or the mass strictly above the token already >= top_p."""
+    kept = _rank_drop(sorted_logits, top_k)
+    drop = torch.isneginf(kept) & ~torch.isneginf(sorted_logits)
+    if top_p is not None:
+        probs = torch.exp(kept - norm)
+        before = probs.cumsum(dim=-1) - probs        # the first token is always kept
+        drop |= before >= top_p[:, None]
+    return drop
 
 
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],

@@ -71,3 +71,17 @@ def test_seeded_rows_are_reproducible_and_mixed_batches_work():
 def test_invalid_sampling_params(bad, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("scale,top_k,top_p", [(4.0, 0, 0.9), (4.0, 50, 0.95), (4.0, 300, 0.0),
+                                                (0.01, 0, 0.99), (4.0, 20, 1.0), (2.0, 1000, 0.5)])
+def test_candidate_truncation_equals_full_sort(monkeypatch, scale, top_k, top_p):
+    """The top-candidates shortcut is exact, and falls back when the kept set is larger."""
+    import dspark.worker.sampler as sampler
+    logits = torch.randn(6, 2000, generator=torch.Generator().manual_seed(3)) * scale
+    st = SamplingTensors.build([SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p or 1.0)] * 6,
+                               [None] * 6, 2000, torch.device("cpu"))
+    fast = processed_probs(logits, st)
+    monkeypatch.setattr(sampler, "CANDIDATES", 10**9)
+    full = processed_probs(logits, st)
+    assert torch.allclose(fast, full, atol=1e-6)
