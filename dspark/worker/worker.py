@@ -97,6 +97,8 @@ class Worker:
             inputs.input_ids.index_copy_(0, index, drafts.flatten()[torch.tensor(src, device=self.device)])
 
     def _accept(self, logits, sampling, spec_flags, spec_idx, proposal, st) -> StepResult:
+        if not sampling:             # only prefill chunks that do not reach a prompt's end
+            return StepResult(tokens=[], num_accepted=[], spec_rows=[])
         counts = [c.num_logits for c in sampling]
         rows = torch.split(logits, counts)
         plain_idx = [i for i, s in enumerate(spec_flags) if not s]

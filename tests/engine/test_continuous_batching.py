@@ -110,3 +110,10 @@ def test_streamed_text_never_retracts_a_stop_string():
     assert _stop_prefix_len("hello wor", ["world"]) == 3
     assert _stop_prefix_len("hello", ["xyz", "lo!"]) == 2
     assert _stop_prefix_len("hello", []) == 0
+
+
+def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(model_dir):
+    whole = make_llm(model_dir).generate([list(range(3, 60))], SamplingParams(temperature=0, max_tokens=5))
+    llm = make_llm(model_dir, max_num_batched_tokens=8)      # 57 prompt tokens: 8 steps of chunks
+    chunked = llm.generate([list(range(3, 60))], SamplingParams(temperature=0, max_tokens=5))
+    assert chunked[0].token_ids == whole[0].token_ids and len(whole[0].token_ids) == 5

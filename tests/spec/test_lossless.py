@@ -124,3 +124,13 @@ def test_sampling_lossless(tmp_path_factory):
     # two independent empirical distributions over K outcomes: E[TV] <= sqrt(K / n); allow 1.5x
     bound = 1.5 * math.sqrt(len(support) / n)
     assert tv < bound, (tv, bound)
+
+
+def test_chunked_prefill_feeds_the_drafter_context(tmp_path_factory, target_dir):
+    d = drafter(tmp_path_factory, target_dir, gamma=3, copy_prev=9.0)
+    prompt = [3 + (i * 7) % (VOCAB - 5) for i in range(50)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = make_llm(target_dir).generate([prompt], params)[0].token_ids
+    llm = make_llm(target_dir, d, max_num_batched_tokens=6)       # prefilled 6 tokens a step
+    assert llm.generate([prompt], params)[0].token_ids == ref
+    assert llm.engine.spec_stats.draft_rounds > 0
