@@ -134,3 +134,13 @@ def test_chunked_prefill_feeds_the_drafter_context(tmp_path_factory, target_dir)
     llm = make_llm(target_dir, d, max_num_batched_tokens=6)       # prefilled 6 tokens a step
     assert llm.generate([prompt], params)[0].token_ids == ref
     assert llm.engine.spec_stats.draft_rounds > 0
+
+
+def test_greedy_rows_stay_exact_beside_sampled_rows(tmp_path_factory, target_dir, reference):
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+    mixed = [sp if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=sp.max_tokens,
+                                                   ignore_eos=True) for i, sp in enumerate(params)]
+    outs = make_llm(target_dir, d).generate(prompts, mixed)
+    assert [o.token_ids for o in outs][::2] == reference[::2]
+    assert all(len(o.token_ids) == sp.max_tokens for o, sp in zip(outs, mixed))
