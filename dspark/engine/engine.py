@@ -54,11 +54,11 @@ class Engine:
         self.sts = self._load_sts(gamma)
         # (raw confidence logits z_1..z_γ, accepted drafts) of verify-all rounds, when recording
         self.confidence_records: list[tuple[list[float], int]] | None = None
-        eos = list(loaded.config.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else [])
+        eos = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None:
-            eos = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
-        self.eos_token_ids = eos
-        self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = sorted(eos)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 

@@ -43,15 +43,8 @@ def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.devi
     req_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens))
     blocks = tables[req_of_token, pos_t // block_size]
     slots = torch.where(blocks < 0, -1, blocks * block_size + pos_t % block_size)   # -1: no write
-    attn = _metadata(q_lens, starts, ctx_lens, tables, slots, block_size, sliding_window)
+    attn = _metadata(q_lens, starts, ctx_lens, tables, slots, block_size, sliding_window).to(device)
     to = lambda x: torch.as_tensor(x, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
-    attn = AttentionMetadata(
-        num_reqs=attn.num_reqs, max_q=attn.max_q,
-        write_rows=None if attn.write_rows is None else to(attn.write_rows),
-        write_slots=to(attn.write_slots), block_tables=to(attn.block_tables),
-        block_size=attn.block_size, kv_len=attn.kv_len,
-        q_index=None if attn.q_index is None else to(attn.q_index),
-        mask=None if attn.mask is None else attn.mask.to(device), is_causal=attn.is_causal)
     return StepInputs(input_ids=to(ids), positions=to(positions), qo_indptr=to(indptr),
                       logits_indices=to(logits), attn=attn)
 

@@ -7,7 +7,6 @@ the block's input rows on the device, so drafting, verification and acceptance n
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +20,6 @@ from dspark.spec.verify import accept
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
 from dspark.worker.sampler import SamplingTensors, sample
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

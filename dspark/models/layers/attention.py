@@ -8,6 +8,7 @@ The metadata is built once per step on the host and shared by all layers.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,12 @@ class AttentionMetadata:
     q_index: torch.Tensor | None          # [T] row of each token in the padded [R*max_q] query
     mask: torch.Tensor | None             # [R, 1, max_q, L] True = attend; None = attend all
     is_causal: bool = False               # single request, fresh prefill: plain causal SDPA
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+        return dataclasses.replace(
+            self, write_rows=move(self.write_rows), write_slots=move(self.write_slots),
+            block_tables=move(self.block_tables), q_index=move(self.q_index), mask=move(self.mask))
 
 
 def write_kv(cache: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor,
