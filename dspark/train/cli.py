@@ -4,7 +4,7 @@
     dspark train-draft --out runs/smollm2 --steps 3000            # trains; rerun to resume
     dspark train-draft --out runs/smollm2 --export dspark/assets/smollm2-135m-instruct-dspark --plot
 
-Actions run in the order generate -> train -> export -> plot; with none of them given, the
+Actions run in the order generate -> train -> plot -> export (with its model card); with none of them given, the
 command trains. Every long action picks up where an interrupted run of it stopped.
 """
 
@@ -30,7 +30,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: with other jobs on the same two cores, two "
                         "threads measured 7x slower per step; use 2 on an idle machine)")
-    act = p.add_argument_group("actions (in this order; default: --train)")
+    act = p.add_argument_group("actions (generate, train, plot, export; default: --train)")
     act.add_argument("--generate-data", action="store_true", help="generate the target's responses")
     act.add_argument("--train", action="store_true", help="train (continues from <out>/checkpoint.pt)")
     act.add_argument("--resume", action="store_true", help="train, and fail if there is no checkpoint")
@@ -75,6 +75,8 @@ TRAIN_FLAGS = (
     ("--eval-every", "eval_every", int, "steps between held-out evals (200)"),
     ("--eval-sequences", "eval_sequences", int, "held-out sequences per eval (64)"),
     ("--checkpoint-every", "checkpoint_every", int, "steps between checkpoints (50)"),
+    ("--feature-cache-gb", "feature_cache_gb", float,
+     "memory for target features reused by later epochs (6; 0 reruns the target every step)"),
 )
 
 
@@ -127,13 +129,14 @@ def run_train(args) -> None:
         if result:
             print(f"step {trainer.step}: held-out loss {result['loss']:.4f}, τ {result['tau']:.3f}, "
                   f"acceptance per slot {result['accept']}")
-    if args.export:
-        dtype = torch.bfloat16 if args.export_dtype == "bfloat16" else torch.float32
-        print(f"exported to {trainer.export(args.export, dtype)} (step {trainer.step})")
     if args.plot:
         from dspark.train.plot import plot_training
         from dspark.train.trainer import LOG
         print(f"wrote {plot_training(os.path.join(args.out, LOG))}")
+    if args.export:
+        dtype = torch.bfloat16 if args.export_dtype == "bfloat16" else torch.float32
+        print(f"exported to {trainer.export(args.export, dtype)} (step {trainer.step})")
+        print(f"wrote {trainer.write_card(args.export)}")
 
 
 def _trainer(args, train: bool) -> Trainer:

@@ -14,6 +14,7 @@ rows, then slot 1, ...), which is the order the rnn head's left-to-right loop pr
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -139,12 +140,14 @@ def _grid(values: torch.Tensor, sel: SupervisedSlots, batch: BlockBatch) -> torc
 
 
 def training_forward(drafter: Drafter, extractor: TargetFeatureExtractor, batch: BlockBatch,
-                     alphas: LossWeights, autocast: bool) -> tuple[LossOutput, StepMetrics]:
-    """Run target and drafter over one batch; the loss is ready for backward."""
+                     alphas: LossWeights, autocast: bool,
+                     keys: Sequence[Hashable] | None = None) -> tuple[LossOutput, StepMetrics]:
+    """Run target and drafter over one batch; the loss is ready for backward. `keys` name the
+    batch's sequences for the extractor's feature cache."""
     if drafter.config.uses_draft_vocab:
         raise NotImplementedError("training a reduced draft vocabulary is not supported")
     sel = supervised_slots(batch)
-    feats = extractor(batch.tokens, batch.seq_offsets, sel.teacher_rows)
+    feats = extractor(batch.tokens, batch.seq_offsets, sel.teacher_rows, keys)
     dev = feats.aux_hidden.device
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
         ctx_k, ctx_v, valid = block_context(drafter, feats.aux_hidden, batch)

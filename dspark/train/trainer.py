@@ -64,6 +64,7 @@ class TrainConfig:
     min_loss_tokens: int = 8
     grad_clip: float = 1.0
     bf16: bool = True                      # autocast the drafter's matmuls
+    feature_cache_gb: float = 6.0          # target features kept in memory for later epochs
     loss: LossWeights = dataclasses.field(default_factory=LossWeights)
     # bookkeeping
     seed: int = 0
@@ -176,7 +177,8 @@ class Trainer:
         self.drafter = Drafter(self.drafter_config, self.target.model.embed_tokens,
                                self.target.model.lm_head)
         init_drafter(self.drafter, self.cfg.seed)
-        self.extractor = TargetFeatureExtractor(self.target.model, tcfg, self.cfg.target_layer_ids)
+        self.extractor = TargetFeatureExtractor(self.target.model, tcfg, self.cfg.target_layer_ids,
+                                                cache_bytes=int(self.cfg.feature_cache_gb * 2**30))
         self.train_samples: list[Sample] = []
         self.eval_samples: list[Sample] = []
         if load_data:
@@ -283,11 +285,11 @@ class Trainer:
     def train_step(self) -> tuple[LossOutput, StepMetrics, float]:
         """One optimiser step on the next batch; returns the loss, the metrics and the grad norm
         (before clipping)."""
-        samples = [self.train_samples[i] for i in self.sampler.next_batch(self.cfg.batch_size)]
-        batch = self._batch(samples, self.anchor_gen)
+        indices = self.sampler.next_batch(self.cfg.batch_size)
+        batch = self._batch([self.train_samples[i] for i in indices], self.anchor_gen)
         self.drafter.train()
         out, metrics = training_forward(self.drafter, self.extractor, batch, self.cfg.loss,
-                                        self.cfg.bf16)
+                                        self.cfg.bf16, [("train", i) for i in indices])
         self.optimizer.zero_grad(set_to_none=True)
         out.total.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
@@ -307,8 +309,9 @@ class Trainer:
         pool = MetricPool(self.cfg.block_size)
         for lo in range(0, len(self.eval_samples), self.cfg.batch_size):
             batch = self._batch(self.eval_samples[lo:lo + self.cfg.batch_size], gen)
+            keys = [("eval", i) for i in range(lo, lo + batch.seq_offsets.numel() - 1)]
             pool.add(*training_forward(self.drafter, self.extractor, batch, self.cfg.loss,
-                                       self.cfg.bf16))
+                                       self.cfg.bf16, keys))
         return pool.summary()
 
     def train(self, use_tqdm: bool = True) -> dict:
@@ -361,6 +364,12 @@ class Trainer:
                          verifier_architectures=(self.target.config.architecture,))
         logger.info("exported the drafter to %s (%s)", path, dtype)
         return path
+
+    def write_card(self, path: str) -> str:
+        """The model card (README.md, curves PNG) for an exported drafter in `path`."""
+        from dspark.train.card import write_model_card
+        return write_model_card(path, self.cfg.out_dir, self.cfg, self.drafter_config,
+                                sum(p.numel() for p in self.params))
 
 
 def _postfix(record: dict) -> str:

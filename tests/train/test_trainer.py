@@ -86,6 +86,30 @@ def test_target_features_match_whole_sequence_runs(tiny_run):
     assert torch.allclose(cut.teacher_logits, full.teacher_logits, atol=1e-4)
 
 
+def test_feature_cache_reuses_exact_features_within_its_budget(tiny_run):
+    """Cached sequences give the features a fresh target run gives (teacher logits equal the
+    model's own LM-head rows); a sequence over the byte budget is recomputed, never stored."""
+    from dspark.worker.inputs import RequestChunk, build_inputs
+    target = load_target(tiny_run.target, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 90, (n,), generator=g) for n in (11, 17)]
+    tokens, offsets, rows = torch.cat(seqs), torch.tensor([0, 11, 28]), torch.tensor([2, 10, 15, 27])
+    width = 3 * target.config.hidden_size           # (0, 2) + the last layer, fp32
+    ext = TargetFeatureExtractor(target.model, target.config, (0, 2), cache_bytes=11 * width * 4)
+    first = ext(tokens, offsets, rows, keys=["a", "b"])
+    assert list(ext.cache) == ["a"] and ext.misses == 2          # "b" (17 rows) is over budget
+    again = ext(tokens, offsets, rows, keys=["a", "b"])
+    assert ext.hits == 1 and ext.misses == 3
+    assert torch.equal(first.aux_hidden, again.aux_hidden)
+    assert torch.equal(first.teacher_logits, again.teacher_logits)
+    # the teacher logits are the model's own output rows
+    inp = build_inputs([RequestChunk(seqs[0].tolist(), 0, [0], 0)], 16, torch.device("cpu"), None)
+    out = target.model(inp.input_ids, inp.positions, inp.attn, ext.kv, torch.tensor([2, 10]),
+                       aux_layer_ids=(0, 2))
+    assert torch.allclose(first.teacher_logits[:2], out.logits, atol=1e-5)
+    assert torch.allclose(first.aux_hidden[:11], out.aux_hidden, atol=1e-5)
+
+
 def test_training_lowers_the_heldout_loss(tiny_run):
     trainer = Trainer(config(tiny_run, "learn", steps=60, eval_every=0))
     before = trainer.evaluate()
@@ -189,3 +213,8 @@ def test_cli_trains_resumes_exports_and_plots(tiny_run, capsys):
     assert os.path.getsize(os.path.join(out, "training_curves.png")) > 10_000
     steps = [json.loads(x)["step"] for x in open(os.path.join(out, LOG)) if '"train"' in x]
     assert steps == [1, 2, 3, 4]
+    # the model card describes this run: its steps, its last held-out eval and the curves
+    card = open(os.path.join(out, "drafter", "README.md")).read()
+    last_eval = [json.loads(x) for x in open(os.path.join(out, LOG)) if '"eval"' in x][-1]
+    assert "4 steps of 4 sequences" in card and f"{last_eval['tau']:.2f} |" in card
+    assert os.path.isfile(os.path.join(out, "drafter", "training_curves.png"))

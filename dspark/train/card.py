@@ -1,0 +1,80 @@
+"""The model card an exported drafter ships with: what it was trained on, how, and how well.
+
+Everything in it is read from the run (its config, log and data manifest), so the card cannot
+drift from the checkpoint it describes. Engine measurements (τ in real decoding, speed-up, STS)
+come from `dspark bench` and `dspark calibrate` and are appended by whoever runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+
+from dspark.train.data import MANIFEST, load_samples
+from dspark.train.plot import read_log
+
+CURVES = "training_curves.png"
+
+
+def _data_section(data_dir: str, max_len: int, min_loss_tokens: int) -> list[str]:
+    with open(os.path.join(data_dir, MANIFEST)) as f:
+        pinned = json.load(f)["pinned"]
+    lines = ["| split | sequences | chat / code | response tokens | all tokens |", "|---|---|---|---|---|"]
+    for name, heldout in (("train", False), ("held-out", True)):
+        samples = load_samples(data_dir, heldout, max_len, min_loss_tokens)
+        kinds = Counter("chat" if s.kind == "chat" else "code" for s in samples)
+        loss = sum(int(s.loss_mask.sum()) for s in samples)
+        total = sum(s.tokens.numel() for s in samples)
+        lines.append(f"| {name} | {len(samples)} | {kinds['chat']} / {kinds['code']} | {loss} | {total} |")
+    lines += ["", f"Responses sampled from the target at temperature {pinned['temperature']}, top-p "
+              f"{pinned['top_p']}, at most {pinned['max_tokens']} tokens, prompts of at most "
+              f"{pinned['max_prompt_tokens']} tokens (sources: docs/training_data.md)."]
+    return lines
+
+
+def _eval_table(record: dict) -> list[str]:
+    gamma = len(record["accept"])
+    head = "| | " + " | ".join(str(k + 1) for k in range(gamma)) + " | τ |"
+    rule = "|---" * (gamma + 2) + "|"
+    rows = [f"| acceptance 1 − TV (T = 1) | " + " | ".join(f"{a:.3f}" for a in record["accept"])
+            + f" | {record['tau']:.2f} |",
+            f"| argmax match (T = 0) | " + " | ".join(f"{a:.3f}" for a in record["greedy_match"])
+            + f" | {record['tau_greedy']:.2f} |"]
+    return [head, rule, *rows]
+
+
+def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_params: int) -> str:
+    """README.md (and the curves PNG, if plotted) into `export_dir`."""
+    train, evals = read_log(os.path.join(run_dir, "train_log.jsonl"))
+    last = evals[-1] if evals else None
+    steps = train[-1]["step"] if train else 0
+    seconds = sum(r["step_s"] * cfg.log_every for r in train)
+    lines = [
+        f"# DSpark drafter for {os.path.basename(cfg.model) if cfg.model else 'SmolLM2-135M-Instruct'}", "",
+        f"A {drafter_config.num_layers}-layer DSpark drafter (block size γ = {cfg.block_size}, "
+        f"{cfg.markov_head_type} Markov head of rank {cfg.markov_rank}, confidence head) for "
+        f"{cfg.model or 'the embedded SmolLM2-135M-Instruct (Q8_0 GGUF)'}, in the speculators "
+        f"format. {num_params / 1e6:.1f}M trainable parameters; embeddings and LM head are the "
+        f"target's (frozen, not stored). Context features: target layers "
+        f"{list(cfg.target_layer_ids)}; mask token {cfg.mask_token_id}.", "",
+        "## Data", "", *_data_section(cfg.data_path, cfg.max_seq_len, cfg.min_loss_tokens), "",
+        "## Training", "",
+        f"`dspark train-draft`: {steps} steps of {cfg.batch_size} sequences × {cfg.anchors_per_seq} "
+        f"anchor blocks, AdamW lr {cfg.lr} (warm-up {cfg.warmup_fraction:.0%}, cosine), grad clip "
+        f"{cfg.grad_clip}, {'bf16 autocast' if cfg.bf16 else 'fp32'}, loss {cfg.loss.ce} CE + {cfg.loss.l1} L1 + "
+        f"{cfg.loss.conf} BCE with position weights exp(−k/{cfg.loss.decay:g}); "
+        f"{seconds / 3600:.1f} h of step time on a 2-core CPU.", ""]
+    if last:
+        lines += [f"Held-out ({last['slots']} supervised slots, step {last['step']}): loss "
+                  f"{last['loss']:.3f}, per-position acceptance and τ (1 + Σ cumulative products):",
+                  "", *_eval_table(last), ""]
+    curves = os.path.join(run_dir, CURVES)
+    if os.path.isfile(curves):
+        shutil.copyfile(curves, os.path.join(export_dir, CURVES))
+        lines += [f"![training curves]({CURVES})", ""]
+    path = os.path.join(export_dir, "README.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
