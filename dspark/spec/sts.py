@@ -21,6 +21,9 @@ class STSCalibration:
     temperatures: list[float]                       # one per draft position (length γ)
     ece_before: list[float] = field(default_factory=list)   # per position, cumulative survival
     ece_after: list[float] = field(default_factory=list)
+    # the same, for temperatures fitted on 3/4 of the rounds and scored on the other quarter
+    ece_heldout_before: list[float] = field(default_factory=list)
+    ece_heldout_after: list[float] = field(default_factory=list)
     num_samples: int = 0
     sampling_temperature: float = 0.0               # the temperature the records were taken at
     dataset: str = ""
@@ -79,16 +82,28 @@ def fit_sts(logits: torch.Tensor, labels: torch.Tensor, grid: torch.Tensor = GRI
     return temps.tolist()
 
 
+def _per_position_ece(survivals: torch.Tensor, labels: torch.Tensor) -> list[float]:
+    return [ece(survivals[:, k], labels[:, k]) for k in range(survivals.shape[1])]
+
+
 def calibrate(logits: torch.Tensor, labels: torch.Tensor, sampling_temperature: float,
-              dataset: str = "") -> STSCalibration:
+              dataset: str = "", seed: int = 0) -> STSCalibration:
+    """Fit on every round (the shipped temperatures); also fit on a random 3/4 and score the
+    remaining quarter, so the reported calibration is not only in-sample."""
+    logits, labels = logits.float(), labels.float()
     ones = torch.ones(logits.shape[1])
-    before = survival(logits.float(), ones)
     temps = fit_sts(logits, labels)
-    after = survival(logits.float(), torch.tensor(temps))
-    per_pos = lambda a: [ece(a[:, k], labels[:, k]) for k in range(a.shape[1])]  # noqa: E731
-    return STSCalibration(temperatures=temps, ece_before=per_pos(before), ece_after=per_pos(after),
-                          num_samples=int(logits.shape[0]), sampling_temperature=sampling_temperature,
-                          dataset=dataset)
+    perm = torch.randperm(logits.shape[0], generator=torch.Generator().manual_seed(seed))
+    fit, test = perm[:logits.shape[0] * 3 // 4], perm[logits.shape[0] * 3 // 4:]
+    split_temps = torch.tensor(fit_sts(logits[fit], labels[fit]))
+    return STSCalibration(
+        temperatures=temps,
+        ece_before=_per_position_ece(survival(logits, ones), labels),
+        ece_after=_per_position_ece(survival(logits, torch.tensor(temps)), labels),
+        ece_heldout_before=_per_position_ece(survival(logits[test], ones), labels[test]),
+        ece_heldout_after=_per_position_ece(survival(logits[test], split_temps), labels[test]),
+        num_samples=int(logits.shape[0]), sampling_temperature=sampling_temperature,
+        dataset=dataset)
 
 
 def prefix_labels(num_accepted: torch.Tensor, gamma: int) -> torch.Tensor:

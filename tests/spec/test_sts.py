@@ -30,6 +30,9 @@ def test_fit_recovers_overconfidence():
     cal = calibrate(z, labels, sampling_temperature=0.0)
     assert all(after < before for before, after in zip(cal.ece_before, cal.ece_after))
     assert max(cal.ece_after) < 0.02
+    # temperatures fitted on three quarters still calibrate the quarter they never saw
+    assert len(cal.ece_heldout_after) == gamma and max(cal.ece_heldout_after) < 0.03
+    assert all(a < b for b, a in zip(cal.ece_heldout_before, cal.ece_heldout_after))
 
 
 def test_file_roundtrip_and_validation(tmp_path):
