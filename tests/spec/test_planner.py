@@ -1,0 +1,101 @@
+"""Budget planner against brute force on synthetic cost tables; top-B allocation and its
+non-anticipation."""
+
+import itertools
+
+import pytest
+import torch
+
+from dspark.spec.allocate import allocate
+from dspark.spec.planner import CostTable, plan_budget
+
+TABLES = {
+    "flat": lambda t: 10.0,
+    "linear": lambda t: 5.0 + 0.8 * t,
+    "staircase": lambda t: 8.0 + 4.0 * ((t + 7) // 8),       # a bucket every 8 tokens
+}
+
+
+def table(kind: str, max_tokens: int = 64, max_requests: int = 8) -> CostTable:
+    cost = TABLES[kind]
+    return CostTable(fingerprint={"device": "cpu"}, verify_ms=[0.0] + [cost(t) for t in range(1, max_tokens + 1)],
+                     draft_ms=[0.0] + [1.0 + 0.2 * r for r in range(1, max_requests + 1)])
+
+
+def survivals(r: int, gamma: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(r, gamma, generator=g).cumprod(-1)
+
+
+def brute_force(s: torch.Tensor, t: CostTable, n: int, other: int) -> tuple[int, list[float]]:
+    """Every budget b, with expected tokens from the b best slots, priced one by one."""
+    flat = sorted(s.flatten().tolist(), reverse=True)
+    rates = [(n + sum(flat[:b])) / (t.draft_ms[s.shape[0]] + t.verify_ms[other + b])
+             for b in range(len(flat) + 1)]
+    return max(range(len(rates)), key=lambda b: (rates[b], -b)), rates
+
+
+@pytest.mark.parametrize("kind,seed", list(itertools.product(TABLES, range(5))))
+def test_budget_is_the_brute_force_optimum(kind, seed):
+    r, gamma = 4, 7
+    s, t = survivals(r, gamma, seed), table(kind)
+    best, rates = brute_force(s, t, r, r)
+    got = plan_budget(s, t, num_sampling=r, other_tokens=r, min_gain=0.0)
+    assert rates[got] == pytest.approx(rates[best], rel=1e-6)
+    if kind == "flat":                   # free tokens: verifying everything is optimal
+        assert got == r * gamma
+
+
+def test_min_gain_keeps_verify_all_unless_trimming_pays():
+    r, gamma = 4, 7
+    s, t = survivals(r, gamma, 3), table("linear")
+    best, rates = brute_force(s, t, r, r)
+    gain = rates[best] / rates[r * gamma] - 1.0
+    assert 0 < gain and best < r * gamma
+    assert plan_budget(s, t, r, r, min_gain=gain * 0.9) == best
+    assert plan_budget(s, t, r, r, min_gain=gain * 1.1) == r * gamma
+
+
+def test_budget_never_exceeds_the_table_and_fingerprint_mismatch_is_named(tmp_path):
+    s, t = torch.ones(8, 7), table("linear", max_tokens=40)
+    assert plan_budget(s, t, 8, 8, min_gain=0.0) <= 40 - 8
+    path = str(tmp_path / "cost.json")
+    t.save(path)
+    loaded = CostTable.load(path)
+    assert loaded == t
+    with pytest.raises(ValueError, match="device: table has 'cpu', engine has 'cuda'"):
+        loaded.check_fingerprint({"device": "cuda"})
+
+
+def test_allocation_is_a_prefix_per_request_and_fills_the_budget():
+    s = survivals(5, 6, 0)
+    for budget in range(0, 31):
+        lens = allocate(s, budget)
+        assert int(lens.sum()) == budget
+        chosen = set(torch.sort(s.flatten(), descending=True, stable=True).indices[:budget].tolist())
+        for r in range(5):
+            assert chosen & set(range(r * 6, r * 6 + 6)) == set(range(r * 6, r * 6 + int(lens[r])))
+
+
+def test_saturated_ties_go_to_the_earlier_request_and_position():
+    s = torch.ones(3, 4)
+    assert allocate(s, 6).tolist() == [4, 2, 0]
+    s[1, :] = 0.5
+    assert allocate(s, 6).tolist() == [4, 0, 2]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_changing_a_draft_never_changes_whether_it_or_earlier_slots_are_verified(seed):
+    """Draft x_k only moves the survivals of later slots of its own block (each <= slot k's):
+    min(ℓ_r, k+1) must not move, for any budget; saturated survivals included."""
+    g = torch.Generator().manual_seed(seed)
+    r, gamma = 4, 5
+    s = torch.rand(r, gamma, generator=g).clamp(min=0.3).round(decimals=1).cumprod(-1)
+    s[seed % r] = 1.0                                           # a saturated block: ties
+    row, k = int(torch.randint(r, (1,), generator=g)), int(torch.randint(gamma - 1, (1,), generator=g))
+    changed = s.clone()
+    factors = torch.rand(gamma - k - 1, generator=g).cumprod(0)
+    changed[row, k + 1:] = s[row, k] * factors                  # a different x_k: new c_{k+1..}
+    for budget in range(r * gamma + 1):
+        a, b = allocate(s, budget), allocate(changed, budget)
+        assert min(int(a[row]), k + 1) == min(int(b[row]), k + 1)
