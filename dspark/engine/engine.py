@@ -69,6 +69,21 @@ class Engine:
         return load_drafter(self.config.spec.drafter, loaded.config, loaded.model.embed_tokens,
                             loaded.model.lm_head, self.config.torch_dtype)
 
+    def cost_fingerprint(self) -> dict:
+        """What a cost table must have been measured on to price this engine's steps."""
+        return {"device": self.device.type, "model": self.config.model or "embedded",
+                "dtype": self.config.dtype, "drafter": self.config.spec.drafter,
+                "gamma": self.drafter.config.block_size if self.drafter is not None else 0,
+                "num_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
+                "buckets": []}
+
+    def profile(self, cfg) -> "CostTable":  # noqa: F821 (dspark.spec.planner)
+        """Measure the cost table of this engine (it must be idle)."""
+        from dspark.worker.profile import profile_worker
+        if self.has_unfinished:
+            raise RuntimeError("profile an idle engine: scratch K/V would overwrite live requests")
+        return profile_worker(self.worker, cfg, self.cost_fingerprint())
+
     def reset_spec_stats(self) -> None:
         self.spec_stats = SpecStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))
 

@@ -1,0 +1,109 @@
+"""`dspark profile`: measure the step costs the verify-budget planner prices budgets with.
+
+Verify cost is timed for every total token count 1..T_max as the target forward a speculative
+step runs (requests of γ+1 rows each, logits for every row), draft cost for every request
+count 1..R_max as one drafter proposal; both at a realistic context length, median of N timed
+calls after warm-up, then made monotone (a larger step never costs less: the noise of a shared
+machine must not make the planner chase phantom dips). The engine must be idle: profiling
+writes scratch K/V into blocks no request owns yet.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from dspark.sampling_params import SamplingParams
+from dspark.spec.draft import propose
+from dspark.spec.planner import CostTable
+from dspark.worker.inputs import RequestChunk, build_inputs
+from dspark.worker.sampler import SamplingTensors
+from dspark.worker.worker import Worker
+
+
+@dataclass
+class ProfileConfig:
+    max_tokens: int = 64          # verify costs for 1..max_tokens
+    max_requests: int = 8         # draft costs for 1..max_requests
+    context_len: int = 256        # tokens already in every profiled request's KV
+    repeats: int = 5
+    warmup: int = 2
+
+
+def _timed(fn, cfg: ProfileConfig) -> float:
+    for _ in range(cfg.warmup):
+        fn()
+    samples = []
+    for _ in range(cfg.repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _tables(worker: Worker, num_requests: int, context_len: int, rows: int) -> list[list[int]]:
+    """Block tables over scratch blocks (shared modulo the cache size: cost, not content, counts)."""
+    per = -(-(context_len + rows) // worker.block_size)
+    total = worker.kv_caches[0][0].shape[0]
+    return [[(r * per + i) % total for i in range(per)] for r in range(num_requests)]
+
+
+def _verify_fn(worker: Worker, tokens: int, gamma: int, context_len: int):
+    sizes = [gamma + 1] * (tokens // (gamma + 1)) + ([tokens % (gamma + 1)] if tokens % (gamma + 1) else [])
+    tables = _tables(worker, len(sizes), context_len, gamma + 1)
+    chunks = [RequestChunk([1] * q, context_len, t, q) for q, t in zip(sizes, tables)]
+    inputs = build_inputs(chunks, worker.block_size, worker.device, worker.config.sliding_window)
+    aux = worker.drafter.config.target_layer_ids if worker.drafter is not None else ()
+
+    def run():
+        worker.model(inputs.input_ids, inputs.positions, inputs.attn, worker.kv_caches,
+                     inputs.logits_indices, aux_layer_ids=aux)
+    return run
+
+
+def _draft_fn(worker: Worker, num_requests: int, context_len: int):
+    dev = worker.device
+    tables = torch.tensor(_tables(worker, num_requests, context_len, worker.drafter.config.num_block_slots),
+                          device=dev)
+    anchors = torch.ones(num_requests, dtype=torch.long, device=dev)
+    starts = torch.full((num_requests,), context_len, dtype=torch.long, device=dev)
+    st = SamplingTensors.build([SamplingParams(temperature=0.0)] * num_requests,
+                               [None] * num_requests, worker.config.vocab_size, dev)
+
+    def run():
+        propose(worker.drafter, worker.draft_kv, anchors, starts, tables, worker.block_size, st)
+    return run
+
+
+def monotone(costs: list[float]) -> list[float]:
+    """Running maximum: cost never decreases with size."""
+    out, top = [], 0.0
+    for c in costs:
+        top = max(top, c)
+        out.append(top)
+    return out
+
+
+@torch.inference_mode()
+def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
+                   use_tqdm: bool = True) -> CostTable:
+    if worker.drafter is None:
+        raise ValueError("profiling prices speculative steps: the engine needs a drafter")
+    gamma = worker.drafter.config.block_size
+    bar = tqdm(total=cfg.max_tokens + cfg.max_requests, desc="profile", disable=not use_tqdm)
+    verify = []
+    for t in range(1, cfg.max_tokens + 1):
+        verify.append(_timed(_verify_fn(worker, t, gamma, cfg.context_len), cfg))
+        bar.update(1)
+    draft = []
+    for r in range(1, cfg.max_requests + 1):
+        draft.append(_timed(_draft_fn(worker, r, cfg.context_len), cfg))
+        bar.update(1)
+    bar.close()
+    return CostTable(fingerprint=fingerprint, verify_ms=[0.0] + monotone(verify),
+                     draft_ms=[0.0] + monotone(draft), context_len=cfg.context_len,
+                     method=f"median of {cfg.repeats} after {cfg.warmup} warm-up, made monotone")

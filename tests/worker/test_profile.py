@@ -1,0 +1,34 @@
+"""`dspark profile` on a tiny pair: a well-formed monotone table that matches its engine, and
+profiling leaves the engine's results untouched."""
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.spec.planner import CostTable
+from dspark.worker.profile import ProfileConfig, monotone
+from tiny import save_random_drafter, save_tiny
+
+
+def test_monotone_is_a_running_maximum():
+    assert monotone([3.0, 2.0, 4.0, 1.0, 5.0]) == [3.0, 3.0, 4.0, 4.0, 5.0]
+
+
+def test_profile_table_is_complete_monotone_and_fingerprinted(tmp_path):
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=1)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, seed=2)
+    llm = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = llm.generate([[3, 4, 5], [7, 8]], greedy)
+    table = llm.engine.profile(ProfileConfig(max_tokens=9, max_requests=3, context_len=20,
+                                             repeats=1, warmup=0))
+    assert table.max_tokens == 9 and table.max_requests == 3
+    assert all(b >= a > 0 for a, b in zip(table.verify_ms[1:], table.verify_ms[2:]))
+    assert all(b >= a > 0 for a, b in zip(table.draft_ms[1:], table.draft_ms[2:]))
+    assert table.fingerprint == llm.engine.cost_fingerprint() and table.fingerprint["gamma"] == 3
+    table.save(str(tmp_path / "cost.json"))
+    CostTable.load(str(tmp_path / "cost.json")).check_fingerprint(llm.engine.cost_fingerprint())
+    after = llm.generate([[3, 4, 5], [7, 8]], greedy)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    llm.engine.add_request([3, 4], greedy)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        llm.engine.profile(ProfileConfig(max_tokens=2, max_requests=1, repeats=1, warmup=0))
