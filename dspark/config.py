@@ -40,17 +40,29 @@ class SchedulerConfig:
 
 
 EMBEDDED = "embedded"     # the drafter shipped for the embedded target
+AUTO = "auto"             # the embedded drafter for the embedded target, none for any other model
+SCHEDULES = ("verify-all", "confidence")
 EMBEDDED_DRAFTER_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm2-135m-instruct-dspark")
 
 
 @dataclass
 class SpecConfig:
     """Speculative decoding with a DSpark drafter; no drafter means plain decoding."""
-    drafter: str | None = None           # drafter folder (speculators or DeepSpec format) or "embedded"
+    drafter: str | None = None           # drafter folder (speculators or DeepSpec format), "embedded",
+                                         # "auto" or None (plain decoding)
     sts: str | None = None               # STS calibration JSON for the confidence head
+    spec_schedule: str = "verify-all"    # or "confidence": verify only the drafts worth their cost
+    cost_table: str | None = None        # `dspark profile` JSON, or "auto" to profile at start-up
+    min_gain: float = 0.05               # trim only for at least this predicted gain in tokens/ms
+    confidence_lag: int = 2              # the budget uses confidences from this many rounds back
 
     def resolve_embedded(self, model: str | None) -> None:
-        """"embedded" names the shipped drafter (and its calibration) of the embedded target."""
+        """"embedded" names the shipped drafter (and its calibration) of the embedded target;
+        "auto" picks it when the target is the embedded one and decodes plainly otherwise."""
+        if self.drafter == AUTO:
+            self.drafter = EMBEDDED if model is None else None
+        if self.drafter is None and self.spec_schedule != "verify-all":
+            raise ValueError("confidence scheduling needs a drafter")
         if self.drafter != EMBEDDED:
             return
         if model is not None:
@@ -64,7 +76,8 @@ class SpecConfig:
             self.sts = sts
 
     def __post_init__(self) -> None:
-        if self.drafter == EMBEDDED:
+        if self.drafter in (EMBEDDED, AUTO):
+            self._check_schedule()
             return
         if self.drafter is not None and not os.path.exists(self.drafter):
             raise FileNotFoundError(f"drafter path {self.drafter!r} does not exist")
@@ -72,6 +85,23 @@ class SpecConfig:
             raise ValueError("an STS calibration file needs a drafter")
         if self.sts is not None and not os.path.exists(self.sts):
             raise FileNotFoundError(f"STS calibration file {self.sts!r} does not exist")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        if self.spec_schedule not in SCHEDULES:
+            raise ValueError(f"spec_schedule must be one of {SCHEDULES}, got {self.spec_schedule!r}")
+        if self.spec_schedule == "verify-all":
+            if self.cost_table is not None:
+                raise ValueError("a cost table only applies to spec_schedule='confidence'")
+            return
+        if self.cost_table is None:
+            raise ValueError("confidence scheduling needs a cost table: run `dspark profile --out "
+                             "cost.json` and pass cost_table='cost.json', or cost_table='auto'")
+        if self.cost_table != "auto" and not os.path.exists(self.cost_table):
+            raise FileNotFoundError(f"cost table {self.cost_table!r} does not exist")
+        if not self.min_gain >= 0 or self.confidence_lag < 1:
+            raise ValueError(f"min_gain must be >= 0 and confidence_lag >= 1, got {self.min_gain} "
+                             f"and {self.confidence_lag}")
 
 
 @dataclass

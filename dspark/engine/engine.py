@@ -52,6 +52,7 @@ class Engine:
                              config.torch_dtype, self.device, drafter=self.drafter)
         self.spec_stats = SpecStats(accepted_per_position=[0] * gamma)
         self.sts = self._load_sts(gamma)
+        self.confidence_scheduler = self._confidence_scheduler(gamma)
         # (raw confidence logits z_1..z_γ, accepted drafts) of verify-all rounds, when recording
         self.confidence_records: list[tuple[list[float], int]] | None = None
         eos = set(loaded.config.eos_token_ids)
@@ -82,7 +83,35 @@ class Engine:
         from dspark.worker.profile import profile_worker
         if self.has_unfinished:
             raise RuntimeError("profile an idle engine: scratch K/V would overwrite live requests")
+        rows = self.drafter.config.block_size + 1 if self.drafter else 1
+        if cfg.context_len + rows > self.max_model_len:
+            raise ValueError(f"profiling a context of {cfg.context_len} tokens plus {rows} new ones "
+                             f"exceeds max_model_len={self.max_model_len}; lower --context-len")
         return profile_worker(self.worker, cfg, self.cost_fingerprint())
+
+    def _confidence_scheduler(self, gamma: int):
+        """The verify-budget planner, with its cost table checked (or measured) before serving."""
+        spec = self.config.spec
+        if spec.spec_schedule != "confidence":
+            return None
+        from dspark.engine.spec_schedule import ConfidenceScheduler
+        from dspark.spec.planner import CostTable
+        if not self.drafter.config.enable_confidence_head:
+            raise ValueError("confidence scheduling needs a drafter with a confidence head")
+        if spec.cost_table == "auto":
+            from dspark.worker.profile import ProfileConfig
+            sched = self.config.scheduler
+            max_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * (gamma + 1))
+            table = self.profile(ProfileConfig(
+                max_tokens=max_tokens, max_requests=sched.max_num_seqs,
+                context_len=min(256, self.max_model_len - gamma - 1),
+                token_stride=max(1, max_tokens // 32), repeats=3, warmup=1))
+        else:
+            table = CostTable.load(spec.cost_table)
+            table.check_fingerprint(self.cost_fingerprint())
+        if self.sts is not None:
+            self.worker.sts_temperatures = torch.tensor(self.sts.temperatures, device=self.device)
+        return ConfidenceScheduler(table, self.sts, gamma, spec.confidence_lag, spec.min_gain)
 
     def reset_spec_stats(self) -> None:
         self.spec_stats = SpecStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))
@@ -146,6 +175,8 @@ class Engine:
         if sched.is_empty:
             return []
         batch = self._worker_batch(sched)
+        if self.confidence_scheduler is not None:
+            batch.verify_budget = self.confidence_scheduler.budget(sched.scheduled)
         result = self.worker.execute(batch)
         return self._commit(sched, result)
 
@@ -166,7 +197,7 @@ class Engine:
         return WorkerBatch(chunks, params, gens, spec)
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        outputs, now, k = [], time.perf_counter(), 0
+        outputs, now, k, j = [], time.perf_counter(), 0, 0
         for s in sched.scheduled:
             seq = s.seq
             if not s.sample:
@@ -174,8 +205,11 @@ class Engine:
                 continue
             tokens = result.tokens[k]
             if s.spec:
-                self._count_spec(seq, s.verify_len, result.num_accepted[k])
-                self._record_confidence(s, result, k)
+                self._count_spec(seq, result.verify_lens[k], result.num_accepted[k])
+                if result.confidence_logits is not None:
+                    self._record_confidence(seq, result.confidence_logits[j], result.verify_lens[k],
+                                            result.num_accepted[k])
+                j += 1
                 seq.num_computed_tokens += len(tokens)          # anchor + accepted drafts
                 self.block_manager.truncate(seq.block_table, seq.num_computed_tokens + 1)
             else:
@@ -189,13 +223,13 @@ class Engine:
             outputs.append(self._output(seq))
         return outputs
 
-    def _record_confidence(self, s, result: StepResult, k: int) -> None:
-        """Only rounds that verified the whole block give a label for every position."""
-        if self.confidence_records is None or result.confidence_logits is None:
-            return
-        if s.verify_len == self.drafter.config.block_size:
-            j = sum(1 for t in result.spec_rows[:k] if t)
-            self.confidence_records.append((result.confidence_logits[j], result.num_accepted[k]))
+    def _record_confidence(self, seq: Sequence, z: list[float], verified: int, accepted: int) -> None:
+        """For the budget planner (every round) and calibration (rounds that verified the whole
+        block: only they give a label for every position)."""
+        if self.confidence_scheduler is not None:
+            self.confidence_scheduler.record(seq, z)
+        if self.confidence_records is not None and verified == self.drafter.config.block_size:
+            self.confidence_records.append((z, accepted))
 
     def _count_spec(self, seq: Sequence, verify_len: int, accepted: int) -> None:
         gamma = self.drafter.config.block_size

@@ -32,6 +32,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         self.spec = SpecStats()
+        self.confidence_history: list[list[float]] = []   # raw z of recent rounds (newest last)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -32,6 +32,7 @@ class ProfileConfig:
     context_len: int = 256        # tokens already in every profiled request's KV
     repeats: int = 5
     warmup: int = 2
+    token_stride: int = 1         # measure t = 1, s, 2s, ...; a size in between costs the next one
 
 
 def _timed(fn, cfg: ProfileConfig) -> float:
@@ -94,11 +95,14 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
     if worker.drafter is None:
         raise ValueError("profiling prices speculative steps: the engine needs a drafter")
     gamma = worker.drafter.config.block_size
-    bar = tqdm(total=cfg.max_tokens + cfg.max_requests, desc="profile", disable=not use_tqdm)
-    verify = []
-    for t in range(1, cfg.max_tokens + 1):
-        verify.append(_timed(_verify_fn(worker, t, gamma, cfg.context_len), cfg))
+    bar = tqdm(desc="profile", disable=not use_tqdm)
+    sizes = sorted({1, cfg.max_tokens, *range(cfg.token_stride, cfg.max_tokens + 1, cfg.token_stride)})
+    bar.total = len(sizes) + cfg.max_requests
+    measured = {}
+    for t in sizes:
+        measured[t] = _timed(_verify_fn(worker, t, gamma, cfg.context_len), cfg)
         bar.update(1)
+    verify = [measured[min(m for m in sizes if m >= t)] for t in range(1, cfg.max_tokens + 1)]
     draft = []
     for r in range(1, cfg.max_requests + 1):
         draft.append(_timed(_draft_fn(worker, r, cfg.context_len), cfg))
@@ -106,4 +110,5 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
     bar.close()
     return CostTable(fingerprint=fingerprint, verify_ms=[0.0] + monotone(verify),
                      draft_ms=[0.0] + monotone(draft), context_len=cfg.context_len,
-                     method=f"median of {cfg.repeats} after {cfg.warmup} warm-up, made monotone")
+                     method=f"median of {cfg.repeats} after {cfg.warmup} warm-up, every "
+                            f"{cfg.token_stride} tokens, made monotone")

@@ -7,6 +7,7 @@ the block's input rows on the device, so drafting, verification and acceptance n
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,11 +16,15 @@ from dspark.models.drafter import Drafter
 from dspark.models.llama import CausalLM
 from dspark.models.model_config import ModelConfig
 from dspark.sampling_params import SamplingParams
+from dspark.spec.allocate import allocate
 from dspark.spec.draft import append_context, propose
 from dspark.spec.verify import accept
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
+from dspark.worker.ragged import row_layout, trim_inputs, untrim_logits
 from dspark.worker.sampler import SamplingTensors, sample
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +33,7 @@ class WorkerBatch:
     params: list[SamplingParams]                  # one per chunk that samples, in chunk order
     generators: list[torch.Generator | None]
     spec: list[bool]                              # per sampling chunk: a speculative block?
+    verify_budget: int | None = None              # drafts to verify in total (None: all of them)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class StepResult:
     num_accepted: list[int]                       # per sampling chunk: accepted drafts (0 if plain)
     confidence_logits: list[list[float]] | None = None   # per spec chunk: z_k
     spec_rows: list[bool] | None = None           # per sampling chunk: was it speculative
+    verify_lens: list[int] | None = None          # per sampling chunk: drafts verified (0 if plain)
 
 
 class Worker:
@@ -47,6 +54,8 @@ class Worker:
         self.device = device
         self.kv_caches = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
         self.drafter = drafter
+        self.sts_temperatures: torch.Tensor | None = None    # [γ] applied before allocation
+        self.trim_fallbacks = 0                               # budgeted steps verified in full
         self.draft_kv = None
         if drafter is not None:
             self.draft_kv = allocate_kv_cache(drafter.config, num_blocks, block_size, dtype, device)
@@ -57,17 +66,46 @@ class Worker:
         sampling = [c for c in batch.chunks if c.num_logits > 0]
         st = SamplingTensors.build(batch.params, batch.generators, self.config.vocab_size, self.device)
         spec_idx = [i for i, s in enumerate(batch.spec) if s]
-        proposal = None
+        proposal = lens = logits_keep = None
+        num_logits = inputs.logits_indices.shape[0]
         if spec_idx:
             proposal = self._draft(sampling, spec_idx, st)
             self._place_drafts(inputs, batch.chunks, spec_idx, proposal.tokens)
+            caps = [len(sampling[i].token_ids) - 1 for i in spec_idx]
+            lens = torch.tensor(caps, device=self.device)
+            if batch.verify_budget is not None and batch.verify_budget < sum(caps) and self._can_trim(inputs):
+                lens = allocate(self._survival(proposal, lens), batch.verify_budget)
+                layout = row_layout(batch.chunks, _chunk_spec_flags(batch), self.device)
+                inputs, logits_keep = trim_inputs(inputs, layout, lens, sum(caps) - batch.verify_budget)
         aux_ids = self.drafter.config.target_layer_ids if self.drafter is not None else ()
         out = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches,
                          inputs.logits_indices, aux_layer_ids=aux_ids)
         if self.drafter is not None:
             append_context(self.drafter, self.draft_kv, out.aux_hidden, inputs.positions,
                            inputs.attn.write_rows, inputs.attn.write_slots)
-        return self._accept(out.logits, sampling, batch.spec, spec_idx, proposal, st)
+        logits = out.logits if logits_keep is None else untrim_logits(out.logits, logits_keep, num_logits)
+        return self._accept(logits, sampling, batch.spec, spec_idx, proposal, st, lens)
+
+    def _can_trim(self, inputs: StepInputs) -> bool:
+        """Rows that write no K/V (slot -1) would need a host-side row list: verify in full."""
+        if inputs.attn.write_rows is None:
+            return True
+        if self.trim_fallbacks == 0:
+            logger.warning("a budgeted step has rows without K/V slots; verifying every draft "
+                           "(counted in Worker.trim_fallbacks)")
+        self.trim_fallbacks += 1
+        return False
+
+    def _survival(self, proposal, caps: torch.Tensor) -> torch.Tensor:
+        """[R, γ] current cumulative survival (STS applied); slots past a request's cap get -1,
+        below any real survival, so the allocator fills them last."""
+        z = proposal.confidence_logits
+        if z is None:
+            raise ValueError("confidence scheduling needs a drafter with a confidence head")
+        temps = self.sts_temperatures if self.sts_temperatures is not None else torch.ones_like(z[0])
+        survival = torch.sigmoid(z / temps).cumprod(-1)
+        beyond = torch.arange(z.shape[1], device=z.device)[None, :] >= caps[:, None]
+        return survival.masked_fill(beyond, -1.0)
 
     def _draft(self, sampling: list[RequestChunk], spec_idx: list[int], st: SamplingTensors):
         chunks = [sampling[i] for i in spec_idx]
@@ -93,7 +131,7 @@ class Worker:
             index = torch.tensor(rows, device=self.device)
             inputs.input_ids.index_copy_(0, index, drafts.flatten()[torch.tensor(src, device=self.device)])
 
-    def _accept(self, logits, sampling, spec_flags, spec_idx, proposal, st) -> StepResult:
+    def _accept(self, logits, sampling, spec_flags, spec_idx, proposal, st, lens) -> StepResult:
         if not sampling:             # only prefill chunks that do not reach a prompt's end
             return StepResult(tokens=[], num_accepted=[], spec_rows=[])
         counts = [c.num_logits for c in sampling]
@@ -108,9 +146,8 @@ class Worker:
             padded = logits.new_zeros(len(spec_idx), gamma + 1, logits.shape[-1])
             for j, i in enumerate(spec_idx):
                 padded[j, :counts[i]] = rows[i]
-            lens = torch.tensor([counts[i] - 1 for i in spec_idx], device=self.device)
             res = accept(padded, lens, proposal, st.select(spec_idx))
-            parts += [res.num_accepted, res.tokens.flatten()]
+            parts += [res.num_accepted, lens, res.tokens.flatten()]
             if proposal.confidence_logits is not None:
                 parts.append(proposal.confidence_logits.flatten())
         flat = torch.cat([p.float() for p in parts]).tolist()    # the step's one device -> host copy
@@ -127,22 +164,31 @@ def _sampling_offsets(chunks: list[RequestChunk]) -> list[int]:
     return offsets
 
 
+def _chunk_spec_flags(batch: WorkerBatch) -> list[bool]:
+    """Per chunk (not per sampling chunk): is it a speculative block?"""
+    flags, k = [], 0
+    for chunk in batch.chunks:
+        flags.append(chunk.num_logits > 0 and batch.spec[k])
+        k += int(chunk.num_logits > 0)
+    return flags
+
+
 def _unpack(flat: list[float], spec_flags, plain_idx, spec_idx, proposal) -> StepResult:
     n_plain, n_spec = len(plain_idx), len(spec_idx)
     tokens: list[list[int]] = [[] for _ in spec_flags]
-    accepted = [0] * len(spec_flags)
+    accepted, verified = [0] * len(spec_flags), [0] * len(spec_flags)
     for j, i in enumerate(plain_idx):
         tokens[i] = [int(flat[j])]
     conf = None
     if n_spec:
         gamma = proposal.tokens.shape[1]
-        base = n_plain + n_spec
+        base = n_plain + 2 * n_spec
         for j, i in enumerate(spec_idx):
             a = int(flat[n_plain + j])
-            accepted[i] = a
+            accepted[i], verified[i] = a, int(flat[n_plain + n_spec + j])
             tokens[i] = [int(t) for t in flat[base + j * (gamma + 1): base + j * (gamma + 1) + a + 1]]
         if proposal.confidence_logits is not None:
             start = base + n_spec * (gamma + 1)
             conf = [flat[start + j * gamma: start + (j + 1) * gamma] for j in range(n_spec)]
     return StepResult(tokens=tokens, num_accepted=accepted, confidence_logits=conf,
-                      spec_rows=list(spec_flags))
+                      spec_rows=list(spec_flags), verify_lens=verified)

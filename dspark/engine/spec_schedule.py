@@ -1,0 +1,63 @@
+"""Confidence scheduling on the host: the verify budget of the next step, before it launches.
+
+Each speculative request remembers the raw confidence logits of its last few rounds. The budget
+of a step uses those from `lag` rounds back (a request with less history counts as certain,
+c = 1), calibrated by STS, turned into cumulative survivals and handed to the planner with the
+cost table. Only information from earlier steps enters, so the budget cannot depend on the drafts
+it will admit; which drafts fill it is decided on the device (worker/ragged.py, spec/allocate.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dspark.engine.scheduler import ScheduledRequest
+from dspark.engine.sequence import Sequence
+from dspark.spec.planner import CostTable, plan_budget
+from dspark.spec.sts import STSCalibration
+
+logger = logging.getLogger(__name__)
+
+
+class ConfidenceScheduler:
+    def __init__(self, table: CostTable, sts: STSCalibration | None, gamma: int, lag: int = 2,
+                 min_gain: float = 0.05):
+        if lag < 1:
+            raise ValueError(f"the confidence lag must be >= 1 step, got {lag}")
+        self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
+        self.temperatures = torch.tensor(sts.temperatures if sts else [1.0] * gamma)
+        self.oversize_steps = 0          # steps larger than the table: verified in full
+
+    def record(self, seq: Sequence, confidence_logits: list[float]) -> None:
+        seq.confidence_history.append(confidence_logits)
+        del seq.confidence_history[:-self.lag]
+
+    def _stale_survival(self, seq: Sequence, cap: int) -> torch.Tensor:
+        """[γ] survival from `lag` rounds back (1.0 without history); 0 past the request's cap."""
+        history = seq.confidence_history
+        if len(history) < self.lag:
+            survival = torch.ones(self.gamma)
+        else:
+            z = torch.tensor(history[-self.lag])
+            survival = torch.sigmoid(z / self.temperatures).cumprod(0)
+        survival[cap:] = 0.0
+        return survival
+
+    def budget(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """Drafts to verify this step in total, or None to verify every draft."""
+        spec = [s for s in scheduled if s.spec]
+        if not spec:
+            return None
+        caps = sum(s.verify_len for s in spec)
+        other = sum(s.num_new_tokens for s in scheduled if not s.spec) + len(spec)
+        if len(spec) > self.table.max_requests or other + 1 > self.table.max_tokens:
+            if self.oversize_steps == 0:
+                logger.warning("a step is larger than the cost table (%d requests, %d tokens); "
+                               "verifying every draft (counted in oversize_steps)", len(spec), other)
+            self.oversize_steps += 1
+            return None
+        survival = torch.stack([self._stale_survival(s.seq, s.verify_len) for s in spec])
+        num_sampling = sum(1 for s in scheduled if s.sample)
+        return min(plan_budget(survival, self.table, num_sampling, other, self.min_gain), caps)

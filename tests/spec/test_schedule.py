@@ -1,0 +1,132 @@
+"""Confidence-scheduled verification stays lossless whatever the budget, and its configuration
+fails loudly."""
+
+import math
+from collections import Counter
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.spec.planner import CostTable
+from test_lossless import VOCAB, drafter, make_llm, reference, target_dir, workload  # noqa: F401
+from tiny import run_staggered, save_random_drafter, save_tiny
+
+
+class ForcedBudget:
+    """Stands in for the planner: every speculative step verifies `budget` drafts in total."""
+
+    def __init__(self, budget: int):
+        self.budget_value, self.steps = budget, []
+
+    def budget(self, scheduled):
+        caps = sum(s.verify_len for s in scheduled if s.spec)
+        if caps:
+            self.steps.append(min(self.budget_value, caps))
+        return self.budget_value if caps else None
+
+    def record(self, seq, z):
+        pass
+
+
+def forced(llm, budget: int) -> ForcedBudget:
+    llm.engine.confidence_scheduler = ForcedBudget(budget)
+    return llm.engine.confidence_scheduler
+
+
+@pytest.mark.parametrize("budget", [0, 1, 2, 5, 11, 1000])
+def test_greedy_lossless_under_any_budget(tmp_path_factory, target_dir, reference, budget):
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+    llm = make_llm(target_dir, d, max_num_batched_tokens=64)
+    plan = forced(llm, budget)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    stats = llm.engine.spec_stats
+    assert stats.verified_tokens == sum(plan.steps)            # trimmed drafts: not verified
+    assert stats.accepted_tokens <= stats.verified_tokens <= stats.drafted_tokens
+    if budget == 0:
+        assert stats.accepted_tokens == 0
+    if budget == 1000:          # never binding: exactly what verify-all verifies
+        full = make_llm(target_dir, d, max_num_batched_tokens=64)
+        full.generate(prompts, params)
+        assert stats.verified_tokens == full.engine.spec_stats.verified_tokens
+
+
+def test_budgeted_steps_staggered_and_preempted(tmp_path_factory, target_dir, reference):
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+    llm = make_llm(target_dir, d, kv_tokens=160, max_num_batched_tokens=48, max_model_len=128)
+    forced(llm, 3)
+    assert run_staggered(llm, prompts, params) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [1, 2])
+def test_sampling_lossless_under_a_budget(tmp_path_factory, budget):
+    target = tmp_path_factory.mktemp("small_target")
+    save_tiny(str(target), "llama", tied=True, vocab=12, num_hidden_layers=4, seed=2)
+    d = tmp_path_factory.mktemp("small_drafter")
+    save_random_drafter(str(d), str(target), gamma=3, copy_prev=1.0)
+    n, prompt = 3000, [3, 5, 7]
+
+    def dist(drafter_dir, force):
+        llm = LLM(str(target), dtype="float32", drafter=drafter_dir, max_model_len=64, max_num_seqs=256)
+        if force is not None:
+            forced(llm, force)
+        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
+        return Counter(tuple(o.token_ids) for o in llm.generate([prompt] * n, params)), llm
+
+    spec, llm = dist(str(d), budget)
+    plain, _ = dist(None, None)
+    assert 0 < llm.engine.spec_stats.verified_tokens < llm.engine.spec_stats.drafted_tokens
+    support = set(spec) | set(plain)
+    tv = 0.5 * sum(abs(spec[k] - plain[k]) / n for k in support)
+    assert tv < 1.5 * math.sqrt(len(support) / n)
+
+
+def test_planner_in_the_loop_is_lossless(tmp_path_factory, target_dir, reference):
+    """The real planner with a cost table measured at start-up."""
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+    llm = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16,
+                   spec_schedule="confidence", cost_table="auto", min_gain=0.0)
+    table = llm.engine.confidence_scheduler.table
+    assert table.max_tokens == 64 and table.max_requests == 16
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    assert llm.engine.worker.trim_fallbacks == 0
+
+
+def test_a_steep_cost_table_trims_verification_losslessly(tmp_path_factory, target_dir, reference):
+    """Each verified token costs 10x a step's floor: the planner verifies fewer drafts than
+    verify-all does, and the output does not change."""
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+    full = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16)
+    assert [o.token_ids for o in full.generate(prompts, params)] == reference
+    path = str(tmp_path_factory.mktemp("cost") / "cost.json")
+    CostTable(fingerprint=full.engine.cost_fingerprint(),
+              verify_ms=[0.0] + [1.0 + 10.0 * t for t in range(1, 65)],
+              draft_ms=[0.0] + [1.0] * 16).save(path)
+    llm = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16,
+                   spec_schedule="confidence", cost_table=path, confidence_lag=1)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    trimmed, verify_all = llm.engine.spec_stats, full.engine.spec_stats
+    assert 0 < trimmed.verified_tokens < verify_all.verified_tokens
+    assert trimmed.accepted_tokens <= verify_all.accepted_tokens
+
+
+def test_schedule_configuration_errors(tmp_path_factory, target_dir):
+    d = drafter(tmp_path_factory, target_dir, gamma=4)
+    with pytest.raises(ValueError, match="needs a cost table"):
+        make_llm(target_dir, d, spec_schedule="confidence")
+    with pytest.raises(ValueError, match="spec_schedule must be one of"):
+        make_llm(target_dir, d, spec_schedule="sometimes")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        make_llm(target_dir, None, spec_schedule="confidence", cost_table="auto")
+    path = str(tmp_path_factory.mktemp("cost") / "cost.json")
+    CostTable(fingerprint={"device": "cpu", "model": "another"}, verify_ms=[0, 1.0, 2.0],
+              draft_ms=[0, 1.0]).save(path)
+    with pytest.raises(ValueError, match="model: table has 'another'"):
+        make_llm(target_dir, d, spec_schedule="confidence", cost_table=path)
