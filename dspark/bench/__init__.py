@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-MODES = ("plain", "spec", "serve")
+MODES = ("plain", "spec", "serve", "sweep")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -17,6 +17,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--data", default=None, help="spec: draft-training data folder (its held-out split)")
     p.add_argument("--num-prompts", type=int, default=8, help="spec: prompts per kind")
+    p.add_argument("--sweep-concurrency", default="1,4,16,64",
+                   help="sweep: comma-separated numbers of requests decoded together")
+    p.add_argument("--png", default="bench_sweep.png", help="sweep: where to write the plot")
     from dspark.bench.serve import add_serve_bench_args
     add_serve_bench_args(p)
 
@@ -31,3 +34,6 @@ def run_bench(args: argparse.Namespace) -> None:
     elif args.mode == "spec":
         from dspark.bench.spec import run_spec_bench
         run_spec_bench(args)
+    elif args.mode == "sweep":
+        from dspark.bench.sweep import run_sweep_bench
+        run_sweep_bench(args)

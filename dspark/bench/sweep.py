@@ -1,0 +1,105 @@
+"""`dspark bench --mode sweep`: output tokens/s by concurrency for plain decoding, DSpark
+verify-all and DSpark confidence-scheduled, in one run (interleaved, medians), plus a PNG.
+
+Concurrency c means c requests submitted together to the offline engine, each with the same
+prompt length and a fixed output length (greedy, ignore_eos). Prompts are held-out (or built-in)
+chat and code prompts cut or filled to the prompt length from the front, so each still ends where
+its answer starts and acceptance stays realistic.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+SYSTEMS = ("plain", "verify-all", "scheduled")
+
+
+def fixed_length(prompts: list[list[int]], length: int, n: int) -> list[list[int]]:
+    """n prompts of exactly `length` tokens: the last `length` tokens of each prompt, prefixed
+    with the tail of the previous prompts where a prompt is shorter."""
+    out = []
+    for i in range(n):
+        ids = list(prompts[i % len(prompts)])
+        j = i
+        while len(ids) < length:
+            j += 1
+            ids = list(prompts[j % len(prompts)]) + ids
+        out.append(ids[-length:])
+    return out
+
+
+def _engines(args, max_seqs: int) -> dict:
+    from dspark import LLM
+    common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max_seqs)
+    engines = {"plain": LLM(args.model, drafter=None, **common),
+               "verify-all": LLM(args.model, drafter=args.drafter, **common)}
+    if engines["verify-all"].engine.drafter is None:
+        raise SystemExit("bench --mode sweep compares against a drafter: pass --drafter for this model")
+    engines["scheduled"] = LLM(args.model, drafter=args.drafter, spec_schedule="confidence",
+                               cost_table=args.cost_table or "auto", min_gain=args.min_gain, **common)
+    return engines
+
+
+def _tokens_per_s(llm, prompts, params) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def plot_sweep(levels: list[int], medians: dict[str, list[float]], path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in SYSTEMS:
+        ax.plot(levels, medians[name], "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("plain vs DSpark verify-all vs confidence-scheduled")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_sweep_bench(args) -> dict:
+    from dspark import SamplingParams
+    levels = [int(c) for c in str(args.sweep_concurrency).split(",") if c.strip()]
+    engines = _engines(args, max(levels))
+    kinds = args.prompt_source(args.data, engines["plain"].tokenizer, 64)
+    pool = [p for pair in zip(kinds["chat"], kinds["code"]) for p in pair]
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    medians: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    for c in levels:
+        prompts = fixed_length(pool, args.input_tokens, c)
+        runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+        for llm in engines.values():
+            llm.generate(prompts, warm)
+        for _ in range(args.repetitions):
+            for name in SYSTEMS:                   # interleaved: drift hits every system alike
+                runs[name].append(_tokens_per_s(engines[name], prompts, params))
+        for name in SYSTEMS:
+            medians[name].append(statistics.median(runs[name]))
+    png = plot_sweep(levels, medians, args.png)
+    print("concurrency | plain tok/s | verify-all tok/s | scheduled tok/s | scheduled / best other")
+    print("---|---|---|---|---")
+    ratios = []
+    for i, c in enumerate(levels):
+        best = max(medians["plain"][i], medians["verify-all"][i])
+        ratios.append(medians["scheduled"][i] / best)
+        print(f"{c} | {medians['plain'][i]:.1f} | {medians['verify-all'][i]:.1f} | "
+              f"{medians['scheduled'][i]:.1f} | {ratios[-1]:.2f}x")
+    print(f"plot: {png}")
+    report = {"bench": "sweep", "levels": levels, "input_tokens": args.input_tokens,
+              "output_tokens": args.output_tokens, "repetitions": args.repetitions,
+              "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in medians.items()},
+              "scheduled_over_best_other": [round(r, 3) for r in ratios], "plot": png}
+    print(json.dumps(report))
+    return report

@@ -1,0 +1,30 @@
+"""The sweep harness on a tiny pair: fixed-length prompts, all three systems, table, PNG, JSON."""
+
+import json
+import types
+
+from dspark.bench.sweep import SYSTEMS, fixed_length, run_sweep_bench
+from tiny import save_random_drafter, save_tiny
+
+
+def test_fixed_length_keeps_each_prompt_tail():
+    pool = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
+    out = fixed_length(pool, 4, 4)
+    assert all(len(p) == 4 for p in out)
+    assert out[0] == [5, 1, 2, 3] and out[2] == [7, 8, 9, 10] and out[3][-3:] == [1, 2, 3]
+
+
+def test_sweep_reports_every_system_at_every_level(tmp_path, capsys):
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=3)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
+    args = types.SimpleNamespace(
+        model=str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", threads=None,
+        sweep_concurrency="1,3", repetitions=1, input_tokens=6, output_tokens=5, data=None,
+        cost_table=None, min_gain=0.05, png=str(tmp_path / "sweep.png"),
+        prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
+    report = run_sweep_bench(args)
+    assert report["levels"] == [1, 3] and set(report["tokens_per_s"]) == set(SYSTEMS)
+    assert all(len(v) == 2 and min(v) > 0 for v in report["tokens_per_s"].values())
+    assert (tmp_path / "sweep.png").stat().st_size > 5000
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == report
