@@ -22,15 +22,9 @@ def format_spec_stats(stats: SpecStats) -> str:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache memory budget in bytes")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--drafter", default=None, help="DSpark drafter folder (speculators or DeepSpec format)")
-    p.add_argument("--no-drafter", action="store_true", help="decode plainly (no speculation)")
+    from dspark.server.launch import ENGINE_ARGS, add_missing_argument
+    for flag, kwargs in ENGINE_ARGS:
+        add_missing_argument(p, flag, **kwargs)
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -46,10 +40,8 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
 
 def _llm(args):
     from dspark.llm import LLM
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads,
-               drafter=None if args.no_drafter else args.drafter)
+    from dspark.server.launch import engine_config_from_args
+    return LLM.from_config(engine_config_from_args(args))
 
 
 def _params(args) -> SamplingParams:
@@ -108,7 +100,7 @@ def eval_prompts(data_dir: str | None, tokenizer, limit: int) -> dict[str, list[
 def cmd_calibrate(args) -> None:
     from dspark.calibrate import run_calibration
     from dspark.llm import LLM
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter or "embedded",
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter,
               max_num_seqs=args.max_num_seqs)
     kinds = eval_prompts(args.data, llm.tokenizer, args.num_prompts)
     prompts = kinds["chat"] + kinds["code"]
@@ -116,9 +108,10 @@ def cmd_calibrate(args) -> None:
     cal = run_calibration(llm, prompts, params, dataset=args.data or "built-in prompts")
     cal.save(args.out)
     print(f"{cal.num_samples} rounds; wrote {args.out}")
-    print("position | T | ECE before | ECE after")
-    for k, (t, b, a) in enumerate(zip(cal.temperatures, cal.ece_before, cal.ece_after)):
-        print(f"{k + 1} | {t:.3f} | {b:.2%} | {a:.2%}")
+    print("position | T | ECE before | ECE after | held-out quarter: before | after")
+    for k, row in enumerate(zip(cal.temperatures, cal.ece_before, cal.ece_after,
+                                cal.ece_heldout_before, cal.ece_heldout_after)):
+        print(f"{k + 1} | {row[0]:.3f} | " + " | ".join(f"{x:.2%}" for x in row[1:]))
 
 
 def cmd_demo(args) -> None:
@@ -135,6 +128,25 @@ def cmd_bench(args) -> None:
     from dspark.bench import run_bench
     args.prompt_source = eval_prompts
     run_bench(args)
+
+
+def cmd_profile(args) -> None:
+    from dspark.llm import LLM
+    from dspark.worker.profile import ProfileConfig
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter)
+    cfg = ProfileConfig(max_tokens=args.max_tokens, max_requests=args.max_requests,
+                        context_len=args.context_len, repeats=args.repeats, warmup=args.warmup,
+                        token_stride=args.token_stride)
+    table = llm.engine.profile(cfg)
+    table.save(args.out)
+    print("tokens | verify ms")
+    for t in sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, table.max_tokens}):
+        if t <= table.max_tokens:
+            print(f"{t} | {table.verify_ms[t]:.2f}")
+    print("requests | draft ms")
+    for r in range(1, table.max_requests + 1):
+        print(f"{r} | {table.draft_ms[r]:.2f}")
+    print(f"wrote {args.out}")
 
 
 def cmd_train_draft(args) -> None:
@@ -181,6 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", required=True, help="STS calibration JSON to write")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("profile", help="measure the verify/draft cost table for confidence scheduling")
+    _engine_args(p)
+    p.add_argument("--out", required=True, help="cost table JSON to write")
+    p.add_argument("--max-tokens", type=int, default=64, help="verify costs for 1..N tokens")
+    p.add_argument("--max-requests", type=int, default=8, help="draft costs for 1..R requests")
+    p.add_argument("--context-len", type=int, default=256, help="KV context of every profiled request")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per size (median)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--token-stride", type=int, default=1,
+                   help="time every Nth token count; counts in between cost the next one timed")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("train-draft", help="generate data, train, export and plot a DSpark drafter")
     from dspark.train.cli import add_train_args

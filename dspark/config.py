@@ -48,7 +48,7 @@ EMBEDDED_DRAFTER_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm
 @dataclass
 class SpecConfig:
     """Speculative decoding with a DSpark drafter; no drafter means plain decoding."""
-    drafter: str | None = None           # drafter folder (speculators or DeepSpec format), "embedded",
+    drafter: str | None = AUTO           # drafter folder (speculators or DeepSpec format), "embedded",
                                          # "auto" or None (plain decoding)
     sts: str | None = None               # STS calibration JSON for the confidence head
     spec_schedule: str = "verify-all"    # or "confidence": verify only the drafts worth their cost

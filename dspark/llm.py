@@ -14,12 +14,23 @@ from dspark.sampling_params import SamplingParams
 
 
 class LLM:
-    """Completes raw prompts (no chat template); one RequestOutput per prompt, in order."""
+    """Completes raw prompts (no chat template); one RequestOutput per prompt, in order.
 
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", drafter: str | None = None,
+    With no model, the embedded SmolLM2-135M-Instruct is served with its shipped DSpark drafter
+    and calibration; `drafter=None` decodes plainly, a folder names another drafter.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", drafter: str | None = "auto",
                  **kwargs):
         self.engine = Engine(build_config(model=model, dtype=dtype, drafter=drafter, **kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = Engine(config)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
 
     def generate(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,

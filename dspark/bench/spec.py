@@ -27,7 +27,9 @@ def _run(llm, prompts, params) -> tuple[int, float, list]:
 def run_spec_bench(args) -> None:
     from dspark import LLM, SamplingParams
     plain = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=None)
-    spec = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter or "embedded")
+    spec = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter)
+    if spec.engine.drafter is None:
+        raise SystemExit("bench --mode spec compares against a drafter: pass --drafter for this model")
     params = SamplingParams(temperature=0, max_tokens=args.batch1_tokens)
     kinds = args.prompt_source(args.data, plain.tokenizer, args.num_prompts)
     for llm in (plain, spec):

@@ -25,9 +25,18 @@ ENGINE_ARGS: list[tuple[str, dict]] = [
     ("--max-num-batched-tokens", dict(type=int, default=2048)),
     ("--kv-cache-bytes", dict(type=int, default=None, help="KV cache memory budget in bytes")),
     ("--threads", dict(type=int, default=None)),
-    ("--drafter", dict(default=None, help="DSpark drafter folder (speculators or DeepSpec format)")),
+    ("--drafter", dict(default="auto", help="DSpark drafter folder (speculators or DeepSpec format); "
+                                          "default: the shipped drafter for the embedded model")),
     ("--no-drafter", dict(action="store_true", help="decode plainly (no speculation)")),
-    ("--sts", dict(default=None, help="STS calibration JSON for the drafter's confidence head")),
+    ("--sts", dict(default=None, help="STS calibration JSON for the drafter's confidence head "
+                                      "(the shipped drafter brings its own)")),
+    ("--spec-schedule", dict(default="verify-all", choices=["verify-all", "confidence"],
+                             help="verify every draft, or only those worth their cost")),
+    ("--cost-table", dict(default=None, help="`dspark profile` JSON for --spec-schedule confidence, "
+                                             "or 'auto' to profile at start-up")),
+    ("--min-gain", dict(type=float, default=0.05,
+                        help="trim verification only for this predicted gain in tokens/s")),
+    ("--confidence-lag", dict(type=int, default=2, help="rounds between a confidence and its use")),
 ]
 
 
@@ -49,14 +58,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
     from dspark.llm import build_config
-    drafter = None if getattr(args, "no_drafter", False) else getattr(args, "drafter", None)
+    drafter = None if getattr(args, "no_drafter", False) else getattr(args, "drafter", "auto")
     return build_config(model=getattr(args, "model", None), dtype=getattr(args, "dtype", "bfloat16"),
                         drafter=drafter, sts=getattr(args, "sts", None),
                         max_model_len=getattr(args, "max_model_len", None),
                         max_num_seqs=getattr(args, "max_num_seqs", 64),
                         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
                         kv_cache_bytes=getattr(args, "kv_cache_bytes", None),
-                        num_threads=getattr(args, "threads", None))
+                        num_threads=getattr(args, "threads", None),
+                        spec_schedule=getattr(args, "spec_schedule", "verify-all"),
+                        cost_table=getattr(args, "cost_table", None),
+                        min_gain=getattr(args, "min_gain", 0.05),
+                        confidence_lag=getattr(args, "confidence_lag", 2))
 
 
 def run_serve(args: argparse.Namespace) -> None:

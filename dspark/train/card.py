@@ -12,6 +12,7 @@ import os
 import shutil
 from collections import Counter
 
+from dspark.models.gguf import default_model_path
 from dspark.train.data import MANIFEST, load_samples
 from dspark.train.plot import read_log
 
@@ -55,7 +56,7 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
         f"# DSpark drafter for {os.path.basename(cfg.model) if cfg.model else 'SmolLM2-135M-Instruct'}", "",
         f"A {drafter_config.num_layers}-layer DSpark drafter (block size γ = {cfg.block_size}, "
         f"{cfg.markov_head_type} Markov head of rank {cfg.markov_rank}, confidence head) for "
-        f"{cfg.model or 'the embedded SmolLM2-135M-Instruct (Q8_0 GGUF)'}, in the speculators "
+        f"{cfg.model or 'the embedded ' + os.path.basename(default_model_path())}, in the speculators "
         f"format. {num_params / 1e6:.1f}M trainable parameters; embeddings and LM head are the "
         f"target's (frozen, not stored). Context features: target layers "
         f"{list(cfg.target_layer_ids)}; mask token {cfg.mask_token_id}.", "",

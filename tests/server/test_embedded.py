@@ -3,8 +3,6 @@ the shipped drafter.  One engine serves both sides: offline first, then behind t
 
 from __future__ import annotations
 
-import os
-
 import openai
 import pytest
 
@@ -18,14 +16,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
 CHAT = [{"role": "user", "content": "What is 2+2?"}]
 
 
-def drafters() -> list:
-    """The shipped drafter joins once it is in the package (its absence is not skipped silently)."""
-    return [None] + (["embedded"] if os.path.isdir(dspark.config.EMBEDDED_DRAFTER_DIR) else [])
-
-
-@pytest.mark.parametrize("drafter", drafters())
+@pytest.mark.parametrize("drafter", [None, "auto"])
 def test_embedded_model_matches_offline(drafter):
+    """"auto" (the default) is the shipped pair: drafter and its STS calibration."""
     llm = LLM(drafter=drafter, max_model_len=512, max_num_seqs=8)
+    if drafter == "auto":
+        assert llm.engine.drafter is not None and llm.engine.sts is not None
+        assert llm.engine.config.spec.drafter == dspark.config.EMBEDDED_DRAFTER_DIR
     greedy = SamplingParams(temperature=0, max_tokens=24)
     want = [o.text for o in llm.generate(PROMPTS, greedy)]
     want_chat = llm.chat(CHAT, greedy).text
