@@ -17,6 +17,7 @@ from dspark.engine.scheduler import ScheduledRequest
 from dspark.engine.sequence import Sequence
 from dspark.spec.planner import CostTable, plan_budget
 from dspark.spec.sts import STSCalibration
+from dspark.spec.sts import survival as cumulative_survival
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ class ConfidenceScheduler:
         if len(history) < self.lag:
             survival = torch.ones(self.gamma)
         else:
-            z = torch.tensor(history[-self.lag])
-            survival = torch.sigmoid(z / self.temperatures).cumprod(0)
+            survival = cumulative_survival(torch.tensor(history[-self.lag])[None], self.temperatures)[0]
         survival[cap:] = 0.0
         return survival
 

@@ -95,9 +95,8 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
     if worker.drafter is None:
         raise ValueError("profiling prices speculative steps: the engine needs a drafter")
     gamma = worker.drafter.config.block_size
-    bar = tqdm(desc="profile", disable=not use_tqdm)
     sizes = sorted({1, cfg.max_tokens, *range(cfg.token_stride, cfg.max_tokens + 1, cfg.token_stride)})
-    bar.total = len(sizes) + cfg.max_requests
+    bar = tqdm(total=len(sizes) + cfg.max_requests, desc="profile", disable=not use_tqdm)
     measured = {}
     for t in sizes:
         measured[t] = _timed(_verify_fn(worker, t, gamma, cfg.context_len), cfg)

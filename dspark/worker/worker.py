@@ -18,6 +18,7 @@ from dspark.models.model_config import ModelConfig
 from dspark.sampling_params import SamplingParams
 from dspark.spec.allocate import allocate
 from dspark.spec.draft import append_context, propose
+from dspark.spec.sts import survival as cumulative_survival
 from dspark.spec.verify import accept
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
@@ -103,7 +104,7 @@ class Worker:
         if z is None:
             raise ValueError("confidence scheduling needs a drafter with a confidence head")
         temps = self.sts_temperatures if self.sts_temperatures is not None else torch.ones_like(z[0])
-        survival = torch.sigmoid(z / temps).cumprod(-1)
+        survival = cumulative_survival(z, temps)
         beyond = torch.arange(z.shape[1], device=z.device)[None, :] >= caps[:, None]
         return survival.masked_fill(beyond, -1.0)
 
