@@ -43,6 +43,7 @@ def test_greedy_lossless_under_any_budget(tmp_path_factory, target_dir, referenc
     stats = llm.engine.spec_stats
     assert stats.verified_tokens == sum(plan.steps)            # trimmed drafts: not verified
     assert stats.accepted_tokens <= stats.verified_tokens <= stats.drafted_tokens
+    assert stats.drafted_tokens == stats.draft_rounds * 4      # full blocks: only verification trims
     if budget == 0:
         assert stats.accepted_tokens == 0
     if budget == 1000:          # never binding: exactly what verify-all verifies
