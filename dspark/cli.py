@@ -18,7 +18,8 @@ def format_spec_stats(stats: SpecStats) -> str:
     per_pos = " ".join(f"{n / rounds:.2f}" for n in stats.accepted_per_position)
     return (f"rounds {rounds}, drafted {stats.drafted_tokens}, verified {stats.verified_tokens}, "
             f"accepted {stats.accepted_tokens} ({stats.acceptance_rate:.1%} of verified), "
-            f"tau {stats.mean_accepted_length:.2f}, per-position acceptance [{per_pos}]")
+            f"tau {stats.mean_accepted_length:.2f}, per-position acceptance [{per_pos}]"
+            + (f", undrafted steps {stats.undrafted_steps}" if stats.undrafted_steps else ""))
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

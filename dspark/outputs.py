@@ -35,6 +35,7 @@ class SpecStats:
     verified_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    undrafted_steps: int = 0       # decode steps the confidence planner ran without drafting
 
     @property
     def acceptance_rate(self) -> float:

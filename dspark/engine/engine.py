@@ -111,7 +111,8 @@ class Engine:
             table.check_fingerprint(self.cost_fingerprint())
         if self.sts is not None:
             self.worker.sts_temperatures = torch.tensor(self.sts.temperatures, device=self.device)
-        return ConfidenceScheduler(table, self.sts, gamma, spec.confidence_lag, spec.min_gain)
+        return ConfidenceScheduler(table, self.sts, gamma, spec.confidence_lag, spec.min_gain,
+                                   spec.probe_interval)
 
     def reset_spec_stats(self) -> None:
         self.spec_stats = SpecStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))
@@ -174,11 +175,27 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        batch = self._worker_batch(sched)
+        plan = None
         if self.confidence_scheduler is not None:
-            batch.verify_budget = self.confidence_scheduler.budget(sched.scheduled)
+            plan = self.confidence_scheduler.plan(sched.scheduled)
+            if plan is not None:
+                self._leave_undrafted(sched, plan.drafted)
+        batch = self._worker_batch(sched)
+        batch.verify_budget = None if plan is None else plan.budget
         result = self.worker.execute(batch)
         return self._commit(sched, result)
+
+    def _leave_undrafted(self, sched: SchedulerOutput, drafted: list[bool]) -> None:
+        """Speculative requests the planner left out of the drafter pass decode one plain token;
+        the blocks reserved for their drafts go back at once."""
+        spec = [s for s in sched.scheduled if s.spec]
+        for s, keep in zip(spec, drafted):
+            if keep:
+                continue
+            s.spec, s.verify_len, s.num_new_tokens = False, 0, 1
+            self.block_manager.truncate(s.seq.block_table, s.seq.num_computed_tokens + 1)
+            s.seq.spec.undrafted_steps += 1
+            self.spec_stats.undrafted_steps += 1
 
     def _worker_batch(self, sched: SchedulerOutput) -> WorkerBatch:
         chunks, params, gens, spec = [], [], [], []

@@ -33,6 +33,7 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         self.spec = SpecStats()
         self.confidence_history: list[list[float]] = []   # raw z of recent rounds (newest last)
+        self.steps_without_draft = 0                       # decode steps the planner left undrafted
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -3,8 +3,11 @@
 Each speculative request remembers the raw confidence logits of its last few rounds. The budget
 of a step uses those from `lag` rounds back (a request with less history counts as certain,
 c = 1), calibrated by STS, turned into cumulative survivals and handed to the planner with the
-cost table. Only information from earlier steps enters, so the budget cannot depend on the drafts
-it will admit; which drafts fill it is decided on the device (worker/ragged.py, spec/allocate.py).
+cost table. The planner also leaves out of the drafter pass the requests whose drafts are not
+worth it (they decode one plain token); a request left out for `probe_interval` steps in a row
+drafts again, so its confidences stay current. Only information from earlier steps enters, so
+the plan cannot depend on the drafts it will admit; which drafts fill the budget is decided on
+the device (worker/ragged.py, spec/allocate.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.engine.sequence import Sequence
-from dspark.spec.planner import CostTable, plan_budget
+from dspark.spec.planner import CostTable, StepPlan, plan_step
 from dspark.spec.sts import STSCalibration
 from dspark.spec.sts import survival as cumulative_survival
 
@@ -24,10 +27,12 @@ logger = logging.getLogger(__name__)
 
 class ConfidenceScheduler:
     def __init__(self, table: CostTable, sts: STSCalibration | None, gamma: int, lag: int = 2,
-                 min_gain: float = 0.05):
-        if lag < 1:
-            raise ValueError(f"the confidence lag must be >= 1 step, got {lag}")
+                 min_gain: float = 0.05, probe_interval: int = 16):
+        if lag < 1 or probe_interval < 1:
+            raise ValueError(f"the confidence lag and the probe interval must be >= 1 step, got "
+                             f"{lag} and {probe_interval}")
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
+        self.probe_interval = probe_interval
         self.temperatures = torch.tensor(sts.temperatures if sts else [1.0] * gamma)
         self.oversize_steps = 0          # steps larger than the table: verified in full
 
@@ -45,12 +50,11 @@ class ConfidenceScheduler:
         survival[cap:] = 0.0
         return survival
 
-    def budget(self, scheduled: list[ScheduledRequest]) -> int | None:
-        """Drafts to verify this step in total, or None to verify every draft."""
+    def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan | None:
+        """Which speculative requests draft and how many drafts are verified; None: verify all."""
         spec = [s for s in scheduled if s.spec]
         if not spec:
             return None
-        caps = sum(s.verify_len for s in spec)
         other = sum(s.num_new_tokens for s in scheduled if not s.spec) + len(spec)
         if len(spec) > self.table.max_requests or other + 1 > self.table.max_tokens:
             if self.oversize_steps == 0:
@@ -60,4 +64,8 @@ class ConfidenceScheduler:
             return None
         survival = torch.stack([self._stale_survival(s.seq, s.verify_len) for s in spec])
         num_sampling = sum(1 for s in scheduled if s.sample)
-        return min(plan_budget(survival, self.table, num_sampling, other, self.min_gain), caps)
+        probe = [s.seq.steps_without_draft >= self.probe_interval for s in spec]
+        plan = plan_step(survival, self.table, num_sampling, other, self.min_gain, forced=probe)
+        for s, drafted in zip(spec, plan.drafted):
+            s.seq.steps_without_draft = 0 if drafted else s.seq.steps_without_draft + 1
+        return plan

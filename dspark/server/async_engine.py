@@ -357,7 +357,8 @@ def _spec_delta(before: SpecStats, after: SpecStats) -> SpecStats:
                      drafted_tokens=diff(after.drafted_tokens, before.drafted_tokens),
                      verified_tokens=diff(after.verified_tokens, before.verified_tokens),
                      accepted_tokens=diff(after.accepted_tokens, before.accepted_tokens),
-                     accepted_per_position=positions)
+                     accepted_per_position=positions,
+                     undrafted_steps=diff(after.undrafted_steps, before.undrafted_steps))
 
 
 __all__ = ["AsyncEngine", "EngineNotRunning", "EngineObserver", "EngineState", "QueueFull",

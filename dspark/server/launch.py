@@ -37,6 +37,8 @@ ENGINE_ARGS: list[tuple[str, dict]] = [
     ("--min-gain", dict(type=float, default=0.05,
                         help="trim verification only for this predicted gain in tokens/s")),
     ("--confidence-lag", dict(type=int, default=2, help="rounds between a confidence and its use")),
+    ("--probe-interval", dict(type=int, default=16, help="a request the planner left undrafted this "
+                                                         "many steps drafts again")),
 ]
 
 
@@ -69,7 +71,8 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
                         spec_schedule=getattr(args, "spec_schedule", "verify-all"),
                         cost_table=getattr(args, "cost_table", None),
                         min_gain=getattr(args, "min_gain", 0.05),
-                        confidence_lag=getattr(args, "confidence_lag", 2))
+                        confidence_lag=getattr(args, "confidence_lag", 2),
+                        probe_interval=getattr(args, "probe_interval", 16))
 
 
 def run_serve(args: argparse.Namespace) -> None:

@@ -52,6 +52,8 @@ class ServerMetrics:
         self.verified = Counter("dspark_spec_verified_tokens", "Drafted tokens the target verified",
                                 registry=r)
         self.accepted = Counter("dspark_spec_accepted_tokens", "Drafted tokens accepted", registry=r)
+        self.undrafted = Counter("dspark_spec_undrafted_steps", "Decode steps of speculative requests "
+                                 "that the confidence planner ran without drafting", registry=r)
         self.accepted_at = Counter("dspark_spec_accepted_tokens_per_position",
                                    "Drafts accepted at each block position (1-based)", ["position"],
                                    registry=r)
@@ -76,6 +78,8 @@ class ServerMetrics:
             if out.finished:
                 self._on_finished(out)
         spec = report.spec
+        if spec.undrafted_steps:
+            self.undrafted.inc(spec.undrafted_steps)
         if spec.draft_rounds:
             self.draft_rounds.inc(spec.draft_rounds)
             self.drafted.inc(spec.drafted_tokens)

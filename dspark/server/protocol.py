@@ -117,6 +117,7 @@ class SpecStatsInfo(BaseModel):
     accepted_per_position: list[int] = Field(default_factory=list)
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0
+    undrafted_steps: int = 0
 
 
 class Usage(BaseModel):

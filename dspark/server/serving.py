@@ -118,6 +118,7 @@ def spec_info(stats: list[SpecStats]) -> SpecStatsInfo:
         total.drafted_tokens += s.drafted_tokens
         total.verified_tokens += s.verified_tokens
         total.accepted_tokens += s.accepted_tokens
+        total.undrafted_steps += s.undrafted_steps
         width = max(len(total.accepted_per_position), len(s.accepted_per_position))
         total.accepted_per_position = [
             (total.accepted_per_position[i] if i < len(total.accepted_per_position) else 0)
@@ -127,7 +128,8 @@ def spec_info(stats: list[SpecStats]) -> SpecStatsInfo:
                          verified_tokens=total.verified_tokens, accepted_tokens=total.accepted_tokens,
                          accepted_per_position=total.accepted_per_position,
                          acceptance_rate=round(total.acceptance_rate, 6),
-                         mean_accepted_length=round(total.mean_accepted_length, 6))
+                         mean_accepted_length=round(total.mean_accepted_length, 6),
+                         undrafted_steps=total.undrafted_steps)
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:

@@ -6,10 +6,11 @@ maximises expected committed tokens per millisecond,
 
     B* = argmax_b (N_sampling + Σ_{i<b} S_i) / (draft_cost[R] + verify_cost[T_other + b]),
 
-over the sorted survivals S of an earlier step (reference/dspark_algorithm.md §7.4, §7.6). Using
-only earlier confidences is what keeps the budget independent of the tokens it admits
-(non-anticipation); which slots fill it is decided on the device from the current survivals
-(`allocate.py`).
+over the sorted survivals S of an earlier step (reference/dspark_algorithm.md §7.4, §7.6). The
+same argmax also decides which requests draft at all (a drafter pass for r requests costs
+draft_cost[r]; with none, the step is plain decoding). Using only earlier confidences is what
+keeps both independent of the tokens they admit (non-anticipation); which slots fill the budget
+is decided on the device from the current survivals (`allocate.py`).
 """
 
 from __future__ import annotations
@@ -69,28 +70,69 @@ class CostTable:
                              f"run `dspark profile` again")
 
 
-def plan_budget(survival: torch.Tensor, table: CostTable, num_sampling: int, other_tokens: int,
-                min_gain: float = 0.05) -> int:
-    """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> B*.
+@dataclass
+class StepPlan:
+    """What the next step does with its speculative requests, fixed on the host before it runs."""
+    drafted: list[bool]     # per speculative request: draft a block (False: a plain decode row)
+    budget: int             # drafts verified in total, over the drafted requests
+    full: int               # R·γ: every draft of every request
+
+    @property
+    def verify_all(self) -> bool:
+        return all(self.drafted) and self.budget == self.full
+
+
+def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other_tokens: int,
+              min_gain: float = 0.05, forced: list[bool] | None = None) -> StepPlan:
+    """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan.
+
+    Besides the budget, the plan picks which requests draft at all: a drafter pass has a cost of
+    its own (draft_cost[r] grows with the requests it drafts for), and when the expected drafts of
+    a request do not pay for its share of it, a plain decode row commits its one token cheaper.
+    Candidate draft sets are the r requests with the most expected accepted drafts (Σ_k S_k),
+    plus every `forced` one; each set gets its best budget, and the best (set, budget) wins.
 
     `other_tokens` are the step's tokens besides drafts (anchor rows and prefill chunks). The
-    result is R·γ (verify everything) unless trimming is predicted to gain at least `min_gain`
-    in tokens per millisecond; budgets beyond the table's largest step are never chosen.
+    result is verify-all (every request drafts, R·γ verified) unless the plan is predicted to gain
+    at least `min_gain` in tokens per millisecond; budgets beyond the largest step priced are
+    never chosen.
     """
-    r, gamma = survival.shape
-    full = r * gamma
+    r_all, gamma = survival.shape
+    full = r_all * gamma
     if full == 0:
-        return 0
-    if r > table.max_requests or other_tokens + 1 > table.max_tokens:
+        return StepPlan(drafted=[True] * r_all, budget=0, full=0)
+    if r_all > table.max_requests or other_tokens + 1 > table.max_tokens:
         raise ValueError(f"the cost table covers {table.max_requests} requests and "
-                         f"{table.max_tokens} tokens; this step has {r} and {other_tokens}+")
-    reach = min(full, table.max_tokens - other_tokens)                 # largest budget priced
-    s = survival.detach().float().flatten().cpu().sort(descending=True).values
-    gain = num_sampling + torch.cat([torch.zeros(1), s.cumsum(0)])[:reach + 1]      # [reach+1]
-    verify = torch.tensor(table.verify_ms[other_tokens:other_tokens + reach + 1])
-    rate = gain / (table.draft_ms[r] + verify)
-    best = int(rate.argmax())                                          # first maximum
-    if reach < full:
-        return best
-    pays = rate[best] > rate[full] and rate[best] >= (1.0 + min_gain) * rate[full]
-    return best if pays else full
+                         f"{table.max_tokens} tokens; this step has {r_all} and {other_tokens}+")
+    s = survival.detach().float().cpu().clamp(min=0.0)
+    must = torch.zeros(r_all, dtype=torch.bool) if forced is None else torch.tensor(forced, dtype=torch.bool)
+    key = torch.where(must, torch.inf, s.sum(1))
+    order = torch.sort(key, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(r_all)
+    sizes = torch.arange(int(must.sum()), r_all + 1)                           # [C] draft-set sizes
+    member = rank[None, :] < sizes[:, None]                                    # [C, R]
+    slots = torch.where(member[:, :, None], s[None], 0.0).flatten(1)
+    slots = slots.sort(dim=1, descending=True).values                          # [C, R·γ]
+    reach = min(full, table.max_tokens - other_tokens)                         # largest budget priced
+    gain = num_sampling + torch.cat([torch.zeros(len(sizes), 1), slots.cumsum(1)], 1)[:, :reach + 1]
+    verify = torch.tensor(table.verify_ms[other_tokens:other_tokens + reach + 1])          # [B]
+    draft = torch.tensor([0.0] + list(table.draft_ms[1:]))[sizes]                          # [C]
+    rate = gain / (draft[:, None] + verify[None, :])                           # [C, B]
+    rate[torch.arange(reach + 1)[None, :] > sizes[:, None] * gamma] = -torch.inf   # undrafted slots
+    best = int(rate.flatten().argmax())                                        # first maximum
+    size, budget = int(sizes[best // (reach + 1)]), best % (reach + 1)
+    if reach == full:
+        full_rate = rate[-1, full]
+        pays = rate.flatten()[best] > full_rate and rate.flatten()[best] >= (1.0 + min_gain) * full_rate
+        if not pays:
+            size, budget = r_all, full
+    return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
+
+
+def plan_budget(survival: torch.Tensor, table: CostTable, num_sampling: int, other_tokens: int,
+                min_gain: float = 0.05) -> int:
+    """B* = argmax_b (N_sampling + Σ_{i<b} S_i) / (draft_cost[R] + verify_cost[T_other + b]) when
+    every request drafts (`plan_step` with the draft set fixed to all of them)."""
+    r = survival.shape[0]
+    return plan_step(survival, table, num_sampling, other_tokens, min_gain, forced=[True] * r).budget

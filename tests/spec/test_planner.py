@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark.spec.allocate import allocate
-from dspark.spec.planner import CostTable, plan_budget
+from dspark.spec.planner import CostTable, plan_budget, plan_step
 
 TABLES = {
     "flat": lambda t: 10.0,
@@ -99,3 +99,57 @@ def test_changing_a_draft_never_changes_whether_it_or_earlier_slots_are_verified
     for budget in range(r * gamma + 1):
         a, b = allocate(s, budget), allocate(changed, budget)
         assert min(int(a[row]), k + 1) == min(int(b[row]), k + 1)
+
+
+def brute_force_plan(s: torch.Tensor, t: CostTable, n: int, other: int, forced: list[bool]):
+    """Every nested draft set (top-r requests by expected accepted drafts, forced ones first) and
+    every budget within it, priced one by one."""
+    r_all, gamma = s.shape
+    order = sorted(range(r_all), key=lambda i: (not forced[i], -float(s[i].sum())))
+    best = (-1.0, None)
+    for size in range(sum(forced), r_all + 1):
+        flat = sorted(s[order[:size]].flatten().tolist(), reverse=True)
+        draft = t.draft_ms[size] if size else 0.0
+        for b in range(len(flat) + 1):
+            rate = (n + sum(flat[:b])) / (draft + t.verify_ms[other + b])
+            if rate > best[0] + 1e-12:
+                best = (rate, (set(order[:size]), b))
+    return best
+
+
+def rate_of(plan, s, t, n, other):
+    chosen = [i for i, d in enumerate(plan.drafted) if d]
+    flat = sorted(s[chosen].flatten().tolist(), reverse=True)
+    draft = t.draft_ms[len(chosen)] if chosen else 0.0
+    return (n + sum(flat[:plan.budget])) / (draft + t.verify_ms[other + plan.budget])
+
+
+@pytest.mark.parametrize("kind,seed", list(itertools.product(TABLES, range(5))))
+def test_plan_with_a_draft_set_is_the_brute_force_optimum(kind, seed):
+    r, gamma = 5, 4
+    s, t = survivals(r, gamma, seed), table(kind)
+    t.draft_ms = [0.0] + [3.0 + 2.0 * k for k in range(1, 9)]       # a pricier drafter
+    forced = [seed % 3 == 0 and i == seed % r for i in range(r)]
+    best_rate, _ = brute_force_plan(s, t, r, r, forced)
+    plan = plan_step(s, t, num_sampling=r, other_tokens=r, min_gain=0.0, forced=forced)
+    assert rate_of(plan, s, t, r, r) == pytest.approx(best_rate, rel=1e-6)
+    assert all(d for d, f in zip(plan.drafted, forced) if f)
+
+
+def test_a_drafter_that_cannot_pay_is_left_out_and_a_free_one_drafts_everyone():
+    s, t = survivals(4, 7, 1) * 0.2, table("flat")
+    t.draft_ms = [0.0] + [50.0 * r for r in range(1, 9)]             # 5x a target step, per request
+    plan = plan_step(s, t, num_sampling=4, other_tokens=4)
+    assert plan.drafted == [False] * 4 and plan.budget == 0 and not plan.verify_all
+    plan = plan_step(s, t, num_sampling=4, other_tokens=4, forced=[False, True, False, False])
+    assert plan.drafted == [False, True, False, False] and plan.budget <= 7
+    t.draft_ms = [0.0] + [1e-6] * 8
+    assert plan_step(s, t, num_sampling=4, other_tokens=4).verify_all
+
+
+def test_the_requests_with_most_expected_drafts_draft_first():
+    s = torch.tensor([[0.1, 0.0], [0.9, 0.8], [0.5, 0.2]])
+    t = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 16, draft_ms=[0.0, 5.0, 9.0, 30.0])
+    plan = plan_step(s, t, num_sampling=3, other_tokens=3, min_gain=0.0)
+    # one request: (3 + 1.7) / 15 = 0.313; two: (3 + 2.4) / 19 = 0.284; none: 0.3
+    assert plan.drafted == [False, True, False] and plan.budget == 2

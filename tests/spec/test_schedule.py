@@ -7,29 +7,37 @@ from collections import Counter
 import pytest
 
 from dspark import LLM, SamplingParams
-from dspark.spec.planner import CostTable
+from dspark.spec.planner import CostTable, StepPlan
 from test_lossless import VOCAB, drafter, make_llm, reference, target_dir, workload  # noqa: F401
 from tiny import run_staggered, save_random_drafter, save_tiny
 
 
 class ForcedBudget:
-    """Stands in for the planner: every speculative step verifies `budget` drafts in total."""
+    """Stands in for the planner: every speculative step verifies `budget` drafts in total; with
+    `skip_every`, every such request (counted over the run) is left out of the drafter pass."""
 
-    def __init__(self, budget: int):
-        self.budget_value, self.steps = budget, []
+    def __init__(self, budget: int, skip_every: int = 0):
+        self.budget_value, self.skip_every, self.steps, self.seen = budget, skip_every, [], 0
 
-    def budget(self, scheduled):
-        caps = sum(s.verify_len for s in scheduled if s.spec)
+    def plan(self, scheduled):
+        spec = [s for s in scheduled if s.spec]
+        if not spec:
+            return None
+        drafted = []
+        for _ in spec:
+            self.seen += 1
+            drafted.append(not (self.skip_every and self.seen % self.skip_every == 0))
+        caps = sum(s.verify_len for s, d in zip(spec, drafted) if d)
         if caps:
             self.steps.append(min(self.budget_value, caps))
-        return self.budget_value if caps else None
+        return StepPlan(drafted=drafted, budget=self.budget_value, full=len(spec) * 1000)
 
     def record(self, seq, z):
         pass
 
 
-def forced(llm, budget: int) -> ForcedBudget:
-    llm.engine.confidence_scheduler = ForcedBudget(budget)
+def forced(llm, budget: int, skip_every: int = 0) -> ForcedBudget:
+    llm.engine.confidence_scheduler = ForcedBudget(budget, skip_every)
     return llm.engine.confidence_scheduler
 
 
@@ -50,6 +58,26 @@ def test_greedy_lossless_under_any_budget(tmp_path_factory, target_dir, referenc
         full = make_llm(target_dir, d, max_num_batched_tokens=64)
         full.generate(prompts, params)
         assert stats.verified_tokens == full.engine.spec_stats.verified_tokens
+
+
+@pytest.mark.parametrize("skip_every,budget", [(2, 1000), (3, 2), (1, 1000)])
+def test_greedy_lossless_when_requests_skip_the_drafter(tmp_path_factory, target_dir, reference,
+                                                        skip_every, budget):
+    """Requests the plan leaves undrafted decode one plain token in the same step; the drafter's
+    context still advances over it, so the next drafted round is as good as ever."""
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+    llm = make_llm(target_dir, d, max_num_batched_tokens=64)
+    forced(llm, budget, skip_every)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    stats = llm.engine.spec_stats
+    assert stats.undrafted_steps > 0
+    assert stats.draft_rounds == (0 if skip_every == 1 else stats.draft_rounds)
+    assert stats.drafted_tokens == stats.draft_rounds * 4
+    if skip_every == 2:          # drafted rounds still accept (the context was kept current)
+        assert stats.accepted_tokens > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_budgeted_steps_staggered_and_preempted(tmp_path_factory, target_dir, reference):
@@ -116,6 +144,30 @@ def test_a_steep_cost_table_trims_verification_losslessly(tmp_path_factory, targ
     trimmed, verify_all = llm.engine.spec_stats, full.engine.spec_stats
     assert 0 < trimmed.verified_tokens < verify_all.verified_tokens
     assert trimmed.accepted_tokens <= verify_all.accepted_tokens
+
+
+def test_drafting_that_cannot_pay_is_skipped_but_probed(tmp_path_factory, target_dir, reference):
+    """A drafter pass priced at 100 target steps per request: the planner decodes plainly, drafting a request
+    only when it has gone `probe_interval` steps undrafted; a free drafter is never skipped."""
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+
+    def run(draft_ms: float):
+        probe = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16)
+        path = str(tmp_path_factory.mktemp("cost") / "cost.json")
+        CostTable(fingerprint=probe.engine.cost_fingerprint(), verify_ms=[0.0] + [10.0] * 64,
+                  draft_ms=[0.0] + [draft_ms * r for r in range(1, 17)]).save(path)
+        llm = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16,
+                       spec_schedule="confidence", cost_table=path, probe_interval=4)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == reference
+        return llm.engine.spec_stats, [o.spec for o in outs]
+
+    (dear, per_request), (free, _) = run(1000.0), run(1e-6)
+    assert free.undrafted_steps == 0 and free.draft_rounds > 0
+    assert dear.undrafted_steps > 0
+    for spec in per_request:            # 4 plain decode steps, then a probe, and so on
+        assert spec.draft_rounds == (spec.draft_rounds + spec.undrafted_steps) // 5
 
 
 def test_schedule_configuration_errors(tmp_path_factory, target_dir):
