@@ -77,29 +77,35 @@ def run_sweep_bench(args) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     medians: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    drafted_share = []              # scheduled: decode steps that drafted, of all decode steps
     for c in levels:
         prompts = fixed_length(pool, args.input_tokens, c)
         runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
         for llm in engines.values():
             llm.generate(prompts, warm)
+        engines["scheduled"].engine.reset_spec_stats()
         for _ in range(args.repetitions):
             for name in SYSTEMS:                   # interleaved: drift hits every system alike
                 runs[name].append(_tokens_per_s(engines[name], prompts, params))
         for name in SYSTEMS:
             medians[name].append(statistics.median(runs[name]))
+        stats = engines["scheduled"].engine.spec_stats
+        drafted_share.append(stats.draft_rounds / max(1, stats.draft_rounds + stats.undrafted_steps))
     png = plot_sweep(levels, medians, args.png)
-    print("concurrency | plain tok/s | verify-all tok/s | scheduled tok/s | scheduled / best other")
-    print("---|---|---|---|---")
+    print("concurrency | plain tok/s | verify-all tok/s | scheduled tok/s | scheduled / best other "
+          "| scheduled: steps that drafted")
+    print("---|---|---|---|---|---")
     ratios = []
     for i, c in enumerate(levels):
         best = max(medians["plain"][i], medians["verify-all"][i])
         ratios.append(medians["scheduled"][i] / best)
         print(f"{c} | {medians['plain'][i]:.1f} | {medians['verify-all'][i]:.1f} | "
-              f"{medians['scheduled'][i]:.1f} | {ratios[-1]:.2f}x")
+              f"{medians['scheduled'][i]:.1f} | {ratios[-1]:.2f}x | {drafted_share[i]:.0%}")
     print(f"plot: {png}")
     report = {"bench": "sweep", "levels": levels, "input_tokens": args.input_tokens,
               "output_tokens": args.output_tokens, "repetitions": args.repetitions,
               "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in medians.items()},
-              "scheduled_over_best_other": [round(r, 3) for r in ratios], "plot": png}
+              "scheduled_over_best_other": [round(r, 3) for r in ratios],
+              "scheduled_drafted_share": [round(d, 3) for d in drafted_share], "plot": png}
     print(json.dumps(report))
     return report
