@@ -113,6 +113,9 @@ class EngineConfig:
     max_model_len: int | None = None     # None: the model's own limit, capped at 8192
     seed: int = 0
     num_threads: int | None = None
+    graph: str = "auto"                  # auto | cuda | compile | eager: how bucketed steps run
+    max_graph_tokens: int = 512          # largest bucket; larger steps (long prefills) run unpadded
+    graph_fallback: bool = False         # a failed capture runs that bucket eagerly (else: error)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -123,6 +126,10 @@ class EngineConfig:
         if self.model is not None and not os.path.exists(self.model):
             raise FileNotFoundError(f"model path {self.model!r} does not exist")
         self.spec.resolve_embedded(self.model)
+        if self.graph not in ("auto", "cuda", "compile", "eager"):
+            raise ValueError(f"graph must be one of auto, cuda, compile, eager; got {self.graph!r}")
+        if self.max_graph_tokens < 1:
+            raise ValueError(f"max_graph_tokens must be >= 1, got {self.max_graph_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-MODES = ("plain", "spec", "serve", "sweep")
+MODES = ("plain", "spec", "serve", "sweep", "graphs")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-concurrency", default="1,4,16,64",
                    help="sweep: comma-separated numbers of requests decoded together")
     p.add_argument("--png", default="bench_sweep.png", help="sweep: where to write the plot")
+    p.add_argument("--graph-backends", default="eager,compile",
+                   help="graphs: comma-separated backends to compare (eager, compile, cuda)")
     from dspark.bench.serve import add_serve_bench_args
     add_serve_bench_args(p)
 
@@ -37,3 +39,6 @@ def run_bench(args: argparse.Namespace) -> None:
     elif args.mode == "sweep":
         from dspark.bench.sweep import run_sweep_bench
         run_sweep_bench(args)
+    elif args.mode == "graphs":
+        from dspark.bench.graphs import run_graphs_bench
+        run_graphs_bench(args)

@@ -49,7 +49,8 @@ class Engine:
         gamma = self.drafter.config.block_size if self.drafter is not None else 0
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, gamma)
         self.worker = Worker(loaded.model, loaded.config, num_blocks, cache.block_size,
-                             config.torch_dtype, self.device, drafter=self.drafter)
+                             config.torch_dtype, self.device, drafter=self.drafter,
+                             graphs=self._graphs(loaded.model))
         self.spec_stats = SpecStats(accepted_per_position=[0] * gamma)
         self.sts = self._load_sts(gamma)
         self.confidence_scheduler = self._confidence_scheduler(gamma)
@@ -62,6 +63,16 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+
+    def _graphs(self, model):
+        """The step graphs, captured before the engine serves (or profiles) anything."""
+        from dspark.worker.graphs import StepGraphs, choose_mode, token_buckets
+        sched = self.config.scheduler
+        buckets = token_buckets(min(self.config.max_graph_tokens, sched.max_num_batched_tokens))
+        aux = self.drafter.config.target_layer_ids if self.drafter is not None else ()
+        mode = choose_mode(self.config.graph, self.device)
+        graphs = StepGraphs(model, mode, buckets, self.device, aux, self.config.graph_fallback)
+        return graphs
 
     def _load_drafter(self, loaded):
         if self.config.spec.drafter is None:
@@ -76,7 +87,7 @@ class Engine:
                 "dtype": self.config.dtype, "drafter": self.config.spec.drafter,
                 "gamma": self.drafter.config.block_size if self.drafter is not None else 0,
                 "num_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
-                "buckets": []}
+                "graph": self.worker.graphs.mode, "buckets": self.worker.graphs.buckets}
 
     def profile(self, cfg) -> "CostTable":  # noqa: F821 (dspark.spec.planner)
         """Measure the cost table of this engine (it must be idle)."""

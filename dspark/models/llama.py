@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.layers.linear import Linear
-from dspark.models.layers.attention import AttentionMetadata, paged_attention, write_kv
+from dspark.models.layers.attention import AttentionMetadata, attend
 from dspark.models.layers.norm import RMSNorm
 from dspark.models.layers.rotary import RotaryEmbedding, apply_rotary
 from dspark.models.model_config import ModelConfig
@@ -49,9 +49,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        write_kv(kv[0], meta.write_rows, meta.write_slots, k)
-        write_kv(kv[1], meta.write_rows, meta.write_slots, v)
-        return self.o_proj(paged_attention(q, kv[0], kv[1], meta, self.scale))
+        return self.o_proj(attend(q, k, v, kv, meta, self.scale))
 
 
 class MLP(nn.Module):
@@ -99,6 +97,14 @@ class CausalLM(nn.Module):
         aux_layer_ids count decoder-layer outputs (id i = output of layer i, -1 = the embeddings),
         the DeepSpec convention; the aux hidden concatenates them in the order given.
         """
+        x, aux_hidden = self.forward_hidden(input_ids, positions, meta, kv_caches, aux_layer_ids)
+        return self.compute_logits(x, logits_indices, aux_hidden, return_hidden)
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack: [T] tokens -> last hidden [T, hidden] and aux hidden. Its shapes are
+        the step's token count alone, so a graph bucket compiles or captures exactly this."""
         x = self.embed_tokens(input_ids)                          # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         aux = {-1: x} if -1 in aux_layer_ids else {}
@@ -106,9 +112,15 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, kv_caches[i], meta)
             if i in aux_layer_ids:
                 aux[i] = x
+        aux_hidden = torch.cat([aux[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
+        return x, aux_hidden
+
+    def compute_logits(self, x: torch.Tensor, logits_indices: torch.Tensor, aux_hidden: torch.Tensor | None,
+                       return_hidden: bool = False) -> ModelOutput:
+        """x [T, hidden] -> fp32 logits of the rows logits_indices [N] (their count varies within
+        a bucket, so this tail stays outside the graph)."""
         h = self.norm(x.index_select(0, logits_indices))          # [N, hidden]
         logits = self.lm_head(h).float()                           # [N, V]
-        aux_hidden = torch.cat([aux[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
         return ModelOutput(logits=logits, aux_hidden=aux_hidden, last_hidden=h if return_hidden else None)
 
     def load_weights(self, weights) -> None:

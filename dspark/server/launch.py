@@ -28,6 +28,12 @@ ENGINE_ARGS: list[tuple[str, dict]] = [
     ("--drafter", dict(default="auto", help="DSpark drafter folder (speculators or DeepSpec format); "
                                           "default: the shipped drafter for the embedded model")),
     ("--no-drafter", dict(action="store_true", help="decode plainly (no speculation)")),
+    ("--graph", dict(default="auto", choices=["auto", "cuda", "compile", "eager"],
+                     help="how bucketed steps run: CUDA graphs, torch.compile per bucket, or eager "
+                          "(auto: CUDA graphs on NVIDIA, eager on CPU)")),
+    ("--max-graph-tokens", dict(type=int, default=512, help="largest graph bucket (tokens per step)")),
+    ("--graph-fallback", dict(action="store_true", help="run a bucket whose capture fails eagerly "
+                                                        "(warned and counted) instead of failing")),
     ("--sts", dict(default=None, help="STS calibration JSON for the drafter's confidence head "
                                       "(the shipped drafter brings its own)")),
     ("--spec-schedule", dict(default="verify-all", choices=["verify-all", "confidence"],
@@ -68,6 +74,9 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
                         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
                         kv_cache_bytes=getattr(args, "kv_cache_bytes", None),
                         num_threads=getattr(args, "threads", None),
+                        graph=getattr(args, "graph", "auto"),
+                        max_graph_tokens=getattr(args, "max_graph_tokens", 512),
+                        graph_fallback=getattr(args, "graph_fallback", False),
                         spec_schedule=getattr(args, "spec_schedule", "verify-all"),
                         cost_table=getattr(args, "cost_table", None),
                         min_gain=getattr(args, "min_gain", 0.05),

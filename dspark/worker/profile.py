@@ -58,11 +58,9 @@ def _verify_fn(worker: Worker, tokens: int, gamma: int, context_len: int):
     tables = _tables(worker, len(sizes), context_len, gamma + 1)
     chunks = [RequestChunk([1] * q, context_len, t, q) for q, t in zip(sizes, tables)]
     inputs = build_inputs(chunks, worker.block_size, worker.device, worker.config.sliding_window)
-    aux = worker.drafter.config.target_layer_ids if worker.drafter is not None else ()
 
     def run():
-        worker.model(inputs.input_ids, inputs.positions, inputs.attn, worker.kv_caches,
-                     inputs.logits_indices, aux_layer_ids=aux)
+        worker.forward(inputs)              # at the step's graph bucket, as the engine runs it
     return run
 
 

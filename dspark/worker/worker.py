@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from dspark.models.drafter import Drafter
-from dspark.models.llama import CausalLM
+from dspark.models.llama import CausalLM, ModelOutput
 from dspark.models.model_config import ModelConfig
 from dspark.sampling_params import SamplingParams
 from dspark.spec.allocate import allocate
 from dspark.spec.draft import append_context, propose
 from dspark.spec.sts import survival as cumulative_survival
 from dspark.spec.verify import accept
+from dspark.worker.graphs import StepGraphs
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
 from dspark.worker.ragged import row_layout, trim_inputs, untrim_logits
@@ -48,12 +49,16 @@ class StepResult:
 
 class Worker:
     def __init__(self, model: CausalLM, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, drafter: Drafter | None = None):
+                 dtype: torch.dtype, device: torch.device, drafter: Drafter | None = None,
+                 graphs: StepGraphs | None = None):
         self.model = model
+        self.graphs = graphs                                  # None: unpadded eager forward
         self.config = config
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
+        if graphs is not None:
+            graphs.capture(self.kv_caches, block_size)
         self.drafter = drafter
         self.sts_temperatures: torch.Tensor | None = None    # [γ] applied before allocation
         self.trim_fallbacks = 0                               # budgeted steps verified in full
@@ -78,14 +83,25 @@ class Worker:
                 lens = allocate(self._survival(proposal, lens), batch.verify_budget)
                 layout = row_layout(batch.chunks, _chunk_spec_flags(batch), self.device)
                 inputs, logits_keep = trim_inputs(inputs, layout, lens, sum(caps) - batch.verify_budget)
-        aux_ids = self.drafter.config.target_layer_ids if self.drafter is not None else ()
-        out = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches,
-                         inputs.logits_indices, aux_layer_ids=aux_ids)
+        out = self.forward(inputs)
         if self.drafter is not None:
             append_context(self.drafter, self.draft_kv, out.aux_hidden, inputs.positions,
                            inputs.attn.write_rows, inputs.attn.write_slots)
         logits = out.logits if logits_keep is None else untrim_logits(out.logits, logits_keep, num_logits)
         return self._accept(logits, sampling, batch.spec, spec_idx, proposal, st, lens)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.drafter.config.target_layer_ids if self.drafter is not None else ()
+
+    def forward(self, inputs: StepInputs) -> ModelOutput:
+        """The target over a step's rows: at its graph bucket when there are graphs."""
+        if self.graphs is None:
+            x, aux = self.model.forward_hidden(inputs.input_ids, inputs.positions, inputs.attn,
+                                               self.kv_caches, self.aux_layer_ids)
+        else:
+            x, aux = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        return self.model.compute_logits(x, inputs.logits_indices, aux)
 
     def _can_trim(self, inputs: StepInputs) -> bool:
         """Rows that write no K/V (slot -1) would need a host-side row list: verify in full."""

@@ -27,6 +27,7 @@ class AttentionMetadata:
     q_index: torch.Tensor | None          # [T] row of each token in the padded [R*max_q] query
     mask: torch.Tensor | None             # [R, 1, max_q, L] True = attend; None = attend all
     is_causal: bool = False               # single request, fresh prefill: plain causal SDPA
+    num_tokens: int | None = None         # live rows; rows past them are bucket padding (None: all)
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
@@ -52,6 +53,45 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
     return out.view(r, nb * block_size, *cache.shape[1:])[:, :kv_len].transpose(1, 2)
 
 
+@torch.compiler.disable
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] -> [T, H*D]: store the live rows' K/V, attend over the pages.
+
+    Only the first `meta.num_tokens` rows are live; padding rows (a graph bucket's dummies) write
+    no K/V and attend to nothing, their output is zero. This is the one step part that runs
+    eagerly under a compiled or captured graph: its shapes follow the context, not the bucket.
+    """
+    t, live = q.shape[0], meta.num_tokens if meta.num_tokens is not None else q.shape[0]
+    if live == 0:                        # an all-dummy step (capture warm-up, idle DP rank)
+        return q.new_zeros(t, q.shape[1] * q.shape[2])
+    if live < t:
+        q, k, v = q[:live], k[:live], v[:live]
+    write_kv(kv[0], meta.write_rows, meta.write_slots, k)
+    write_kv(kv[1], meta.write_rows, meta.write_slots, v)
+    out = paged_attention(q, kv[0], kv[1], meta, scale)
+    if live < t:
+        out = torch.cat([out, out.new_zeros(t - live, out.shape[1])])
+    return out
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One query per request: q [R, H, D], keys/values [R, KVH, L, D], mask [R, 1, 1, L] or None.
+
+    Two batched matmuls with the query heads grouped under their K/V head. On CPUs the fused SDPA
+    kernel is tuned for long queries; for single-row queries this is 2x (one request) to 13x
+    (64 requests) faster in bf16, with an fp32 softmax.
+    """
+    r, h, d = q.shape
+    kvh, length = keys.shape[1], keys.shape[2]
+    scores = torch.matmul(q.view(r, kvh, h // kvh, d), keys.transpose(-1, -2)).float() * scale
+    if mask is not None:                                   # [R, KVH, G, L]
+        scores = scores.masked_fill(~mask.view(r, 1, 1, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(r, h, d)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D] -> out [T, H*D]; the new K/V must already be in the cache."""
@@ -64,6 +104,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         qp = q.new_zeros(r * meta.max_q, h, d).index_copy_(0, meta.q_index, q)
         qp = qp.view(r, meta.max_q, h, d)
+    if meta.max_q == 1 and not meta.is_causal:
+        return decode_attention(qp.view(r, h, d), keys, values, meta.mask, scale).reshape(r, h * d)
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), keys, values, attn_mask=meta.mask, is_causal=meta.is_causal,
         scale=scale, enable_gqa=keys.shape[1] != h)       # [R, H, Q, D]

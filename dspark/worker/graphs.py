@@ -1,0 +1,140 @@
+"""Graph buckets: the target's decoder stack run at a few padded, static token counts.
+
+A step of T live tokens runs at the smallest bucket B >= T (the bucket is the graph key). Rows
+T..B-1 are dummies: token 0 at position 0, marked past `AttentionMetadata.num_tokens`, so they
+write no K/V and attend to nothing (attention is the one part that stays eager, on the live rows
+only, `attend`), and their outputs are dropped. Inputs go through persistent per-bucket buffers
+refreshed in place at every replay, the padding rows included, so a batch that shrinks leaves
+no stale row behind. The logits tail runs after the graph on the rows that sample.
+
+Backends share this path: `eager` (the padded path as plain PyTorch, for tests and debugging),
+`compile` (torch.compile per bucket, weights frozen into the graph where inductor supports it)
+and `cuda` (CUDA graphs, NVIDIA only). Steps larger than the largest bucket run eagerly and are
+counted; so are buckets whose capture failed when the engine was told to fall back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.models.layers.attention import AttentionMetadata
+from dspark.models.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+GRAPH_MODES = ("auto", "cuda", "compile", "eager")
+DUMMY_TOKEN_ID = 0
+DUMMY_POSITION = 0
+
+
+def choose_mode(requested: str, device: torch.device) -> str:
+    """`auto`: CUDA graphs on an NVIDIA GPU; on a CPU, eager (see the README's measurement)."""
+    if requested != "auto":
+        return requested
+    return "cuda" if device.type == "cuda" else "eager"
+
+
+def token_buckets(max_tokens: int, smallest: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64, then powers of two, up to max_tokens (included)."""
+    sizes = {b for b in smallest if b <= max_tokens}
+    sizes |= set(range(16, min(64, max_tokens) + 1, 8))
+    b = 128
+    while b < max_tokens:
+        sizes.add(b)
+        b *= 2
+    sizes.add(max_tokens)
+    return sorted(sizes)
+
+
+@dataclass
+class GraphStats:
+    replays: dict[int, int] = field(default_factory=dict)    # bucket -> steps run at it
+    eager_steps: int = 0            # steps above the largest bucket (run unpadded)
+    capture_fallbacks: int = 0      # buckets run eagerly because their capture failed
+
+
+class StepGraphs:
+    """The decoder stack of one target, one runnable per token bucket."""
+
+    def __init__(self, model: CausalLM, mode: str, buckets: list[int], device: torch.device,
+                 aux_layer_ids: tuple[int, ...] = (), fallback_to_eager: bool = False):
+        if mode not in ("cuda", "compile", "eager"):
+            raise ValueError(f"graph mode must be one of cuda, compile, eager; got {mode!r}")
+        if mode == "cuda" and not (device.type == "cuda" and torch.cuda.is_available()):
+            raise ValueError("--graph cuda needs an NVIDIA GPU; use compile or eager on this device")
+        if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
+            raise ValueError(f"buckets must be increasing positive token counts, got {buckets}")
+        self.model, self.mode, self.buckets, self.device = model, mode, list(buckets), device
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.fallback_to_eager = fallback_to_eager
+        self.stats = GraphStats()
+        self.input_ids = {b: torch.full((b,), DUMMY_TOKEN_ID, dtype=torch.long, device=device)
+                          for b in buckets}                                   # [B] per bucket
+        self.positions = {b: torch.full((b,), DUMMY_POSITION, dtype=torch.long, device=device)
+                          for b in buckets}
+        self.runners: dict[int, object] = {}
+        self.compiled = None                   # the torch.compile wrapper (compile mode)
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The smallest bucket holding `num_tokens` rows (None: larger than every bucket)."""
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        return None
+
+    # ---- capture ------------------------------------------------------------------------------
+    def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
+        """Build every bucket's runnable, largest first, by running it on all-dummy input."""
+        from dspark.worker.graph_backends import build_runner
+        for b in sorted(self.buckets, reverse=True):
+            meta = dummy_metadata(block_size, self.device)
+            try:
+                self.runners[b] = build_runner(self, b, kv_caches, meta)
+            except Exception as exc:             # noqa: BLE001 (any backend failure is reported)
+                if not self.fallback_to_eager:
+                    raise RuntimeError(f"graph capture ({self.mode}) failed for the {b}-token bucket: "
+                                       f"{exc}") from exc
+                logger.warning("graph capture (%s) failed for the %d-token bucket, running it eagerly "
+                               "(counted in capture_fallbacks): %s", self.mode, b, exc)
+                self.stats.capture_fallbacks += 1
+                self.runners[b] = None
+
+    # ---- replay -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids/positions [T] live rows -> (hidden [T, d], aux hidden [T, m*d] or None)."""
+        t = input_ids.shape[0]
+        b = self.bucket_for(t)
+        if b is None:
+            self.stats.eager_steps += 1
+            return self.model.forward_hidden(input_ids, positions, meta, kv_caches, self.aux_layer_ids)
+        self.stats.replays[b] = self.stats.replays.get(b, 0) + 1
+        ids, pos = self.input_ids[b], self.positions[b]
+        ids[:t].copy_(input_ids)
+        ids[t:].fill_(DUMMY_TOKEN_ID)          # rows a larger batch left here become padding again
+        pos[:t].copy_(positions)
+        pos[t:].fill_(DUMMY_POSITION)
+        meta = _with_live_rows(meta, t)
+        runner = self.runners.get(b)
+        if runner is None:                     # not captured (eager mode or a capture fallback)
+            x, aux = self.model.forward_hidden(ids, pos, meta, kv_caches, self.aux_layer_ids)
+        else:
+            x, aux = runner(ids, pos, meta, kv_caches)
+        return x[:t], None if aux is None else aux[:t]
+
+
+def _with_live_rows(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
+    import dataclasses
+    return dataclasses.replace(meta, num_tokens=num_tokens)
+
+
+def dummy_metadata(block_size: int, device: torch.device) -> AttentionMetadata:
+    """A step with no live row: what a capture warm-up (and an idle data-parallel rank) runs."""
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return AttentionMetadata(num_reqs=0, max_q=0, write_rows=None, write_slots=empty,
+                             block_tables=torch.zeros(0, 1, dtype=torch.long, device=device),
+                             block_size=block_size, kv_len=0, q_index=None, mask=None, num_tokens=0)

@@ -1,0 +1,148 @@
+"""Graph buckets: padded replays give the live rows exactly what an unpadded eager step gives,
+and dummy rows never touch live state."""
+
+import pytest
+import torch
+
+from dspark.models.loader import load_target
+from dspark.worker.graphs import DUMMY_POSITION, DUMMY_TOKEN_ID, StepGraphs, dummy_metadata, token_buckets
+from dspark.worker.inputs import RequestChunk, build_inputs
+from dspark.worker.kv_cache import allocate_kv_cache
+from tiny import save_tiny
+
+BLOCK, NUM_BLOCKS, BUCKETS = 4, 64, [1, 4, 8, 16]
+BACKENDS = ["eager", "compile"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("graph_target")
+    save_tiny(str(path), "qwen3", tied=True, vocab=96, num_hidden_layers=2, head_dim=16, seed=5)
+    return load_target(str(path), torch.float32, device="cpu", max_positions=256)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def graphs(request, target):
+    g = StepGraphs(target.model, request.param, BUCKETS, torch.device("cpu"), aux_layer_ids=(0, 1))
+    g.capture(allocate_kv_cache(target.config, NUM_BLOCKS, BLOCK, torch.float32, torch.device("cpu")), BLOCK)
+    return g
+
+
+def fresh_cache(target, seed=0):
+    caches = allocate_kv_cache(target.config, NUM_BLOCKS, BLOCK, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for k, v in caches:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    return caches
+
+
+def step(q_lens, start=6, seed=0):
+    """Requests with `start` tokens cached each, adding q tokens: block tables 0.., disjoint."""
+    g = torch.Generator().manual_seed(seed)
+    per = -(-(start + 16) // BLOCK)
+    chunks = [RequestChunk(torch.randint(3, 90, (q,), generator=g).tolist(), start,
+                           list(range(r * per, (r + 1) * per)), q) for r, q in enumerate(q_lens)]
+    return build_inputs(chunks, BLOCK, torch.device("cpu"))
+
+
+def clone(caches):
+    return [(k.clone(), v.clone()) for k, v in caches]
+
+
+def unpadded(target, inputs, caches):
+    return target.model.forward_hidden(inputs.input_ids, inputs.positions, inputs.attn, caches, (0, 1))
+
+
+CLOSE = dict(atol=1e-5, rtol=1e-4)      # fp32: padding changes the GEMM's row count, not the math
+
+
+@pytest.mark.parametrize("q_lens", [[1], [3], [1, 1, 1], [4, 4], [2, 3, 1, 1], [5, 5, 5], [8, 7]])
+def test_live_rows_and_kv_match_an_unpadded_eager_step(target, graphs, q_lens):
+    inputs = step(q_lens)
+    ref_cache, cache = fresh_cache(target), fresh_cache(target)
+    with torch.inference_mode():
+        ref_x, ref_aux = unpadded(target, inputs, ref_cache)
+        x, aux = graphs.run(inputs.input_ids, inputs.positions, inputs.attn, cache)
+    assert graphs.bucket_for(sum(q_lens)) in BUCKETS
+    assert x.shape == ref_x.shape and aux.shape == ref_aux.shape
+    torch.testing.assert_close(x, ref_x, **CLOSE)
+    torch.testing.assert_close(aux, ref_aux, **CLOSE)
+    written = set(inputs.attn.write_slots.tolist())
+    for (k, v), (rk, rv), (k0, v0) in zip(cache, ref_cache, fresh_cache(target)):
+        torch.testing.assert_close(k, rk, **CLOSE)
+        torch.testing.assert_close(v, rv, **CLOSE)
+        changed = set((k != k0).flatten(1).any(1).nonzero().flatten().tolist())
+        assert changed <= written                       # dummies wrote no slot
+
+
+def test_kv_is_bit_identical_whether_the_rest_of_the_bucket_is_dummies_or_live(target, graphs):
+    """Requests A and B fill 5 rows of the 16-token bucket; the other 11 rows are dummies in one
+    step and two more live requests in the other. The K/V the step writes for A and B (first
+    layer: projections of the same rows at the same GEMM shape) agree bit for bit; later layers
+    see attention batched over 2 or 4 requests, which may round differently."""
+    alone, full = step([2, 3], seed=4), step([2, 3, 8, 3], seed=4)
+    assert torch.equal(full.input_ids[:5], alone.input_ids)
+    a, b = fresh_cache(target), fresh_cache(target)
+    with torch.inference_mode():
+        xa, _ = graphs.run(alone.input_ids, alone.positions, alone.attn, a)
+        xb, _ = graphs.run(full.input_ids, full.positions, full.attn, b)
+    slots = alone.attn.write_slots
+    torch.testing.assert_close(xa, xb[:5], **CLOSE)
+    (ka, va), (kb, vb) = a[0], b[0]
+    assert torch.equal(ka[slots], kb[slots]) and torch.equal(va[slots], vb[slots])
+    for (ka, va), (kb, vb) in zip(a[1:], b[1:]):
+        torch.testing.assert_close(ka[slots], kb[slots], **CLOSE)
+
+
+def test_a_shrinking_batch_leaves_no_stale_row(target, graphs):
+    big = step([8, 8], seed=1)
+    cache = fresh_cache(target)
+    with torch.inference_mode():
+        graphs.run(big.input_ids, big.positions, big.attn, cache)
+        ids, pos = graphs.input_ids[16], graphs.positions[16]
+        assert ids[:16].tolist() == big.input_ids.tolist()
+        small16 = step([2, 3, 3, 3], seed=2)           # 11 rows: also the 16-token bucket
+        ref_x, _ = unpadded(target, small16, clone(cache))
+        x, _ = graphs.run(small16.input_ids, small16.positions, small16.attn, cache)
+    assert ids[11:].tolist() == [DUMMY_TOKEN_ID] * 5 and pos[11:].tolist() == [DUMMY_POSITION] * 5
+    torch.testing.assert_close(x, ref_x, **CLOSE)
+
+
+def test_a_thousand_all_dummy_replays_leave_live_state_unchanged(target, graphs):
+    cache = fresh_cache(target, seed=3)
+    before = clone(cache)
+    empty = torch.zeros(0, dtype=torch.long)
+    meta = dummy_metadata(BLOCK, torch.device("cpu"))
+    with torch.inference_mode():
+        for i in range(1000):
+            x, _ = graphs.run(empty, empty, meta, cache)
+            assert x.shape[0] == 0
+    for (k, v), (k0, v0) in zip(cache, before):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    inputs = step([2, 1])
+    with torch.inference_mode():
+        ref_x, _ = unpadded(target, inputs, clone(before))
+        x, _ = graphs.run(inputs.input_ids, inputs.positions, inputs.attn, cache)
+    torch.testing.assert_close(x, ref_x, **CLOSE)
+
+
+def test_steps_above_the_largest_bucket_run_unpadded_and_are_counted(target, graphs):
+    inputs = step([9, 9])
+    cache = fresh_cache(target)
+    eager_before = graphs.stats.eager_steps
+    with torch.inference_mode():
+        ref_x, _ = unpadded(target, inputs, clone(cache))
+        x, _ = graphs.run(inputs.input_ids, inputs.positions, inputs.attn, cache)
+    assert torch.equal(x, ref_x)
+    assert graphs.stats.eager_steps == eager_before + 1
+
+
+def test_bucket_staircase_and_bad_configuration():
+    assert token_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert token_buckets(512)[-3:] == [128, 256, 512]
+    assert token_buckets(6) == [1, 2, 4, 6]
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        StepGraphs(torch.nn.Linear(1, 1), "cuda", [1], torch.device("cpu"))
+    with pytest.raises(ValueError, match="increasing positive"):
+        StepGraphs(torch.nn.Linear(1, 1), "eager", [4, 2], torch.device("cpu"))
