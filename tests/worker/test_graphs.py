@@ -8,7 +8,7 @@ from dspark.models.loader import load_target
 from dspark.worker.graphs import DUMMY_POSITION, DUMMY_TOKEN_ID, StepGraphs, dummy_metadata, token_buckets
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
-from tiny import save_tiny
+from tiny import save_random_drafter, save_tiny
 
 BLOCK, NUM_BLOCKS, BUCKETS = 4, 64, [1, 4, 8, 16]
 BACKENDS = ["eager", "compile"]
@@ -146,3 +146,61 @@ def test_bucket_staircase_and_bad_configuration():
         StepGraphs(torch.nn.Linear(1, 1), "cuda", [1], torch.device("cpu"))
     with pytest.raises(ValueError, match="increasing positive"):
         StepGraphs(torch.nn.Linear(1, 1), "eager", [4, 2], torch.device("cpu"))
+
+
+# ---- through the engine ----------------------------------------------------------------------
+
+VOCAB = 32
+
+
+def make_llm(target_dir, drafter_dir=None, **kw):
+    from dspark import LLM
+    return LLM(target_dir, dtype="float32", drafter=drafter_dir, block_size=4, max_model_len=256,
+               kv_cache_bytes=4096 * 2 * 5 * 2 * 16 * 4, **kw)
+
+
+def workload(n, seed=0):
+    import random
+    from dspark import SamplingParams
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB - 1) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 40), ignore_eos=True)
+              for _ in range(n)]
+    return prompts, params
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_lossless_under_each_cpu_backend(tmp_path_factory, backend):
+    """Plain decoding unpadded-eager vs DSpark at graph buckets: the same tokens (fp32)."""
+    target_dir = str(tmp_path_factory.mktemp("lossless_target"))
+    save_tiny(target_dir, "qwen3", tied=True, vocab=VOCAB, num_hidden_layers=4, seed=11)
+    d = str(tmp_path_factory.mktemp("lossless_drafter"))
+    save_random_drafter(d, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(12)
+    reference = [o.token_ids for o in make_llm(target_dir, graph="eager", max_graph_tokens=1)
+                 .generate(prompts, params)]
+    llm = make_llm(target_dir, d, graph=backend, max_graph_tokens=16, max_num_batched_tokens=64)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    stats = llm.engine.worker.graphs.stats
+    assert stats.capture_fallbacks == 0 and sum(stats.replays.values()) > 0
+    assert set(stats.replays) <= set(llm.engine.worker.graphs.buckets)
+    assert llm.engine.spec_stats.accepted_tokens > 0
+
+
+def test_a_failed_capture_is_a_startup_error_or_a_counted_fallback(tmp_path_factory, monkeypatch, caplog):
+    import dspark.worker.graph_backends as backends
+    target_dir = str(tmp_path_factory.mktemp("fallback_target"))
+    save_tiny(target_dir, "llama", tied=True, vocab=VOCAB, num_hidden_layers=2, seed=3)
+    prompts, params = workload(4)
+    ref = make_llm(target_dir, graph="eager").generate(prompts, params)
+
+    def broken(graphs, bucket, kv_caches, meta):
+        if bucket == 8:
+            raise RuntimeError("no kernel for this shape")
+        return None
+    monkeypatch.setattr(backends, "build_runner", broken)
+    with pytest.raises(RuntimeError, match="graph capture \\(compile\\) failed for the 8-token bucket"):
+        make_llm(target_dir, graph="compile", max_graph_tokens=16)
+    llm = make_llm(target_dir, graph="compile", max_graph_tokens=16, graph_fallback=True)
+    assert llm.engine.worker.graphs.stats.capture_fallbacks == 1
+    assert "running it eagerly" in caplog.text
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]
