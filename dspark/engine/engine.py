@@ -255,7 +255,7 @@ class Engine:
         """For the budget planner (every round) and calibration (rounds that verified the whole
         block: only they give a label for every position)."""
         if self.confidence_scheduler is not None:
-            self.confidence_scheduler.record(seq, z)
+            self.confidence_scheduler.record(seq, z, verified, accepted)
         if self.confidence_records is not None and verified == self.drafter.config.block_size:
             self.confidence_records.append((z, accepted))
 

@@ -34,6 +34,7 @@ class Sequence:
         self.spec = SpecStats()
         self.confidence_history: list[list[float]] = []   # raw z of recent rounds (newest last)
         self.steps_without_draft = 0                       # decode steps the planner left undrafted
+        self.probe_backoff = 1                             # x the probe interval (doubles per futile probe)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

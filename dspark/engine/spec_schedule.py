@@ -1,11 +1,13 @@
 """Confidence scheduling on the host: the verify budget of the next step, before it launches.
 
 Each speculative request remembers the raw confidence logits of its last few rounds. The budget
-of a step uses those from `lag` rounds back (a request with less history counts as certain,
-c = 1), calibrated by STS, turned into cumulative survivals and handed to the planner with the
-cost table. The planner also leaves out of the drafter pass the requests whose drafts are not
-worth it (they decode one plain token); a request left out for `probe_interval` steps in a row
-drafts again, so its confidences stay current. Only information from earlier steps enters, so
+of a step uses those from `lag` rounds back (the oldest it has when it has fewer; a request with
+no history counts as certain, c = 1), calibrated by STS and by what recent rounds actually
+accepted (`OnlineSurvivalCorrection`), turned into cumulative survivals and handed to the
+planner with the cost table. The planner also leaves out of the drafter pass the requests whose
+drafts are not worth it (they decode one plain token); a request left out for its probe interval
+drafts again so that its confidences stay current, and each probe that does not convince the
+planner doubles that request's interval (up to 16x). Only information from earlier steps enters, so
 the plan cannot depend on the drafts it will admit; which drafts fill the budget is decided on
 the device (worker/ragged.py, spec/allocate.py).
 """
@@ -18,6 +20,7 @@ import torch
 
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.engine.sequence import Sequence
+from dspark.spec.online_correction import OnlineSurvivalCorrection
 from dspark.spec.planner import CostTable, StepPlan, plan_step
 from dspark.spec.sts import STSCalibration
 from dspark.spec.sts import survival as cumulative_survival
@@ -34,19 +37,24 @@ class ConfidenceScheduler:
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
         self.probe_interval = probe_interval
         self.temperatures = torch.tensor(sts.temperatures if sts else [1.0] * gamma)
+        self.correction = OnlineSurvivalCorrection(gamma)
         self.oversize_steps = 0          # steps larger than the table: verified in full
 
-    def record(self, seq: Sequence, confidence_logits: list[float]) -> None:
+    def record(self, seq: Sequence, confidence_logits: list[float], verified: int, accepted: int) -> None:
         seq.confidence_history.append(confidence_logits)
         del seq.confidence_history[:-self.lag]
+        survival = cumulative_survival(torch.tensor(confidence_logits)[None], self.temperatures)[0]
+        self.correction.observe(survival, verified, accepted)
 
     def _stale_survival(self, seq: Sequence, cap: int) -> torch.Tensor:
         """[γ] survival from `lag` rounds back (1.0 without history); 0 past the request's cap."""
         history = seq.confidence_history
-        if len(history) < self.lag:
+        if not history:
             survival = torch.ones(self.gamma)
         else:
-            survival = cumulative_survival(torch.tensor(history[-self.lag])[None], self.temperatures)[0]
+            z = history[-min(self.lag, len(history))]
+            survival = cumulative_survival(torch.tensor(z)[None], self.temperatures)[0]
+            survival = self.correction.apply(survival)
         survival[cap:] = 0.0
         return survival
 
@@ -64,8 +72,18 @@ class ConfidenceScheduler:
             return None
         survival = torch.stack([self._stale_survival(s.seq, s.verify_len) for s in spec])
         num_sampling = sum(1 for s in scheduled if s.sample)
-        probe = [s.seq.steps_without_draft >= self.probe_interval for s in spec]
+        probe = [s.seq.steps_without_draft >= self._interval(s.seq) for s in spec]
         plan = plan_step(survival, self.table, num_sampling, other, self.min_gain, forced=probe)
-        for s, drafted in zip(spec, plan.drafted):
-            s.seq.steps_without_draft = 0 if drafted else s.seq.steps_without_draft + 1
+        chosen = plan_step(survival, self.table, num_sampling, other, self.min_gain).drafted \
+            if any(probe) else plan.drafted
+        for s, drafted, probed, wanted in zip(spec, plan.drafted, probe, chosen):
+            seq = s.seq
+            seq.steps_without_draft = 0 if drafted else seq.steps_without_draft + 1
+            if probed and not wanted:
+                seq.probe_backoff = min(seq.probe_backoff * 2, 16)
+            elif wanted:
+                seq.probe_backoff = 1
         return plan
+
+    def _interval(self, seq: Sequence) -> int:
+        return self.probe_interval * seq.probe_backoff

@@ -5,6 +5,7 @@ import math
 from collections import Counter
 
 import pytest
+import torch
 
 from dspark import LLM, SamplingParams
 from dspark.spec.planner import CostTable, StepPlan
@@ -32,7 +33,7 @@ class ForcedBudget:
             self.steps.append(min(self.budget_value, caps))
         return StepPlan(drafted=drafted, budget=self.budget_value, full=len(spec) * 1000)
 
-    def record(self, seq, z):
+    def record(self, seq, z, verified, accepted):
         pass
 
 
@@ -147,8 +148,9 @@ def test_a_steep_cost_table_trims_verification_losslessly(tmp_path_factory, targ
 
 
 def test_drafting_that_cannot_pay_is_skipped_but_probed(tmp_path_factory, target_dir, reference):
-    """A drafter pass priced at 100 target steps per request: the planner decodes plainly, drafting a request
-    only when it has gone `probe_interval` steps undrafted; a free drafter is never skipped."""
+    """A drafter pass priced at 100 target steps per request: the planner decodes plainly,
+    drafting a request only when it has gone its probe interval undrafted, an interval that
+    doubles after every futile probe; a free drafter is never skipped."""
     d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
     prompts, params = workload(16)
 
@@ -166,8 +168,17 @@ def test_drafting_that_cannot_pay_is_skipped_but_probed(tmp_path_factory, target
     (dear, per_request), (free, _) = run(1000.0), run(1e-6)
     assert free.undrafted_steps == 0 and free.draft_rounds > 0
     assert dear.undrafted_steps > 0
-    for spec in per_request:            # 4 plain decode steps, then a probe, and so on
-        assert spec.draft_rounds == (spec.draft_rounds + spec.undrafted_steps) // 5
+    def probes(steps: int, interval: int = 4) -> int:     # U x4, D, U x8, D, U x16, D, ...
+        drafted, run = 0, 0
+        for _ in range(steps):
+            if run >= interval:
+                drafted, run, interval = drafted + 1, 0, min(2 * interval, 4 * 16)
+            else:
+                run += 1
+        return drafted
+
+    for spec in per_request:
+        assert spec.draft_rounds == probes(spec.draft_rounds + spec.undrafted_steps)
 
 
 def test_schedule_configuration_errors(tmp_path_factory, target_dir):
@@ -183,3 +194,22 @@ def test_schedule_configuration_errors(tmp_path_factory, target_dir):
               draft_ms=[0, 1.0]).save(path)
     with pytest.raises(ValueError, match="model: table has 'another'"):
         make_llm(target_dir, d, spec_schedule="confidence", cost_table=path)
+
+
+def test_online_correction_learns_what_rounds_really_accept():
+    """A head that promises every draft but whose drafts are never accepted: the correction
+    drives predicted survival to ~0; one that delivers what it promises keeps factor ~1."""
+    from dspark.spec.online_correction import OnlineSurvivalCorrection
+    gamma = 4
+    promise = torch.tensor([0.9, 0.8, 0.7, 0.6])
+    liar, honest = OnlineSurvivalCorrection(gamma), OnlineSurvivalCorrection(gamma)
+    for i in range(400):
+        liar.observe(promise, verified=gamma, accepted=0)
+        honest.observe(promise, verified=gamma, accepted=4 if i % 10 < 6 else (3 if i % 10 < 7 else 0))
+    assert liar.apply(promise).max() < 0.05
+    corrected = honest.apply(promise)
+    assert torch.all(corrected[1:] <= corrected[:-1]) and corrected.max() <= 1.0
+    assert abs(float(corrected[0]) - 0.7) < 0.1          # realised: 70% of rounds accept position 1
+    before = liar.predicted.clone()
+    liar.observe(promise, verified=0, accepted=0)         # a round that verified nothing: no evidence
+    assert torch.equal(liar.predicted, before)

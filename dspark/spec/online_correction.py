@@ -1,0 +1,40 @@
+"""Online correction of predicted survival: what the rounds actually accepted, per position.
+
+STS is fitted offline on one prompt distribution; served traffic can be another (the same head
+can promise 0.4 at position 1 and deliver 0.1). A planner that trusts such a promise drafts when
+plain decoding would be faster. So every verified round compares, for each position it verified,
+the survival it was predicted (STS applied) with whether the draft there was accepted, in
+exponentially decayed sums; predictions are scaled by realised / predicted per position (kept
+non-increasing along the block, never above 1). With no rounds yet the factor is 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OnlineSurvivalCorrection:
+    def __init__(self, gamma: int, decay: float = 0.995, prior_rounds: float = 8.0):
+        if not 0.0 < decay <= 1.0 or prior_rounds <= 0:
+            raise ValueError(f"decay must be in (0, 1] and prior_rounds > 0, got {decay}, {prior_rounds}")
+        self.decay = decay
+        self.predicted = torch.full((gamma,), prior_rounds)      # Σ predicted survival per position
+        self.realised = torch.full((gamma,), prior_rounds)       # Σ accepted (0/1) per position
+
+    def observe(self, survival: torch.Tensor, verified: int, accepted: int) -> None:
+        """survival [γ] predicted for a round that verified `verified` drafts and accepted `accepted`."""
+        if verified == 0:
+            return
+        self.predicted[:verified] = self.decay * self.predicted[:verified] + survival[:verified]
+        hits = (torch.arange(verified) < accepted).float()
+        self.realised[:verified] = self.decay * self.realised[:verified] + hits
+
+    @property
+    def factors(self) -> torch.Tensor:
+        """[γ] realised / predicted."""
+        return self.realised / self.predicted.clamp(min=1e-6)
+
+    def apply(self, survival: torch.Tensor) -> torch.Tensor:
+        """[..., γ] -> corrected survival, non-increasing along the block and within [0, 1]."""
+        corrected = (survival * self.factors).clamp(0.0, 1.0)
+        return torch.cummin(corrected, dim=-1).values
