@@ -150,6 +150,13 @@ def cmd_profile(args) -> None:
     print(f"wrote {args.out}")
 
 
+def cmd_prune_vocab(args) -> None:
+    from dspark.train.prune_vocab import run_prune
+    if args.drafter in (None, "auto"):
+        args.drafter = "embedded"
+    run_prune(args)
+
+
 def cmd_train_draft(args) -> None:
     from dspark.train.cli import run_train
     run_train(args)
@@ -211,6 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     from dspark.train.cli import add_train_args
     add_train_args(p)
     p.set_defaults(func=cmd_train_draft)
+
+    p = sub.add_parser("prune-vocab", help="give a trained drafter a reduced draft vocabulary")
+    _engine_args(p)
+    p.add_argument("--out", required=True, help="folder for the pruned drafter")
+    p.add_argument("--size", type=int, default=8192, help="draft vocabulary size")
+    p.add_argument("--num-prompts", type=int, default=256, help="training prompts to count answers of")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_prune_vocab)
 
     p = sub.add_parser("bench", help="benchmarks (see dspark/bench)")
     _engine_args(p)

@@ -38,7 +38,7 @@ class ConfidenceScheduler:
         self.probe_interval = probe_interval
         self.temperatures = torch.tensor(sts.temperatures if sts else [1.0] * gamma)
         self.correction = OnlineSurvivalCorrection(gamma)
-        self.oversize_steps = 0          # steps larger than the table: verified in full
+        self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
 
     def record(self, seq: Sequence, confidence_logits: list[float], verified: int, accepted: int) -> None:
         seq.confidence_history.append(confidence_logits)
@@ -67,9 +67,9 @@ class ConfidenceScheduler:
         if len(spec) > self.table.max_requests or other + 1 > self.table.max_tokens:
             if self.oversize_steps == 0:
                 logger.warning("a step is larger than the cost table (%d requests, %d tokens); "
-                               "verifying every draft (counted in oversize_steps)", len(spec), other)
+                               "pricing it along the table's last slope (counted in oversize_steps)",
+                               len(spec), other)
             self.oversize_steps += 1
-            return None
         survival = torch.stack([self._stale_survival(s.seq, s.verify_len) for s in spec])
         num_sampling = sum(1 for s in scheduled if s.sample)
         probe = [s.seq.steps_without_draft >= self._interval(s.seq) for s in spec]

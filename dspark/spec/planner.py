@@ -44,6 +44,17 @@ class CostTable:
     def max_requests(self) -> int:
         return len(self.draft_ms) - 1
 
+    def verify_costs(self, start: int, stop: int) -> torch.Tensor:
+        """[stop - start] verify cost of t = start..stop-1 tokens; past the table, the last
+        measured slope (a larger step never costs less)."""
+        return _extrapolated(self.verify_ms, start, stop)
+
+    def draft_costs(self, sizes: torch.Tensor) -> torch.Tensor:
+        """Drafter cost for each request count in `sizes` (0 requests: no drafter pass)."""
+        costs = _extrapolated(self.draft_ms, 0, int(sizes.max()) + 1)
+        costs[0] = 0.0
+        return costs[sizes]
+
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump({"format": 1, **asdict(self)}, f, indent=1)
@@ -94,16 +105,13 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
 
     `other_tokens` are the step's tokens besides drafts (anchor rows and prefill chunks). The
     result is verify-all (every request drafts, R·γ verified) unless the plan is predicted to gain
-    at least `min_gain` in tokens per millisecond; budgets beyond the largest step priced are
-    never chosen.
+    at least `min_gain` in tokens per millisecond; steps larger than the table are priced along
+    its last measured slope.
     """
     r_all, gamma = survival.shape
     full = r_all * gamma
     if full == 0:
         return StepPlan(drafted=[True] * r_all, budget=0, full=0)
-    if r_all > table.max_requests or other_tokens + 1 > table.max_tokens:
-        raise ValueError(f"the cost table covers {table.max_requests} requests and "
-                         f"{table.max_tokens} tokens; this step has {r_all} and {other_tokens}+")
     s = survival.detach().float().cpu().clamp(min=0.0)
     must = torch.zeros(r_all, dtype=torch.bool) if forced is None else torch.tensor(forced, dtype=torch.bool)
     key = torch.where(must, torch.inf, s.sum(1))
@@ -114,20 +122,31 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
     member = rank[None, :] < sizes[:, None]                                    # [C, R]
     slots = torch.where(member[:, :, None], s[None], 0.0).flatten(1)
     slots = slots.sort(dim=1, descending=True).values                          # [C, R·γ]
-    reach = min(full, table.max_tokens - other_tokens)                         # largest budget priced
-    gain = num_sampling + torch.cat([torch.zeros(len(sizes), 1), slots.cumsum(1)], 1)[:, :reach + 1]
-    verify = torch.tensor(table.verify_ms[other_tokens:other_tokens + reach + 1])          # [B]
-    draft = torch.tensor([0.0] + list(table.draft_ms[1:]))[sizes]                          # [C]
+    reach = full
+    gain = num_sampling + torch.cat([torch.zeros(len(sizes), 1), slots.cumsum(1)], 1)      # [C, B]
+    verify = table.verify_costs(other_tokens, other_tokens + reach + 1)                   # [B]
+    draft = table.draft_costs(sizes)                                                      # [C]
     rate = gain / (draft[:, None] + verify[None, :])                           # [C, B]
     rate[torch.arange(reach + 1)[None, :] > sizes[:, None] * gamma] = -torch.inf   # undrafted slots
     best = int(rate.flatten().argmax())                                        # first maximum
     size, budget = int(sizes[best // (reach + 1)]), best % (reach + 1)
-    if reach == full:
-        full_rate = rate[-1, full]
-        pays = rate.flatten()[best] > full_rate and rate.flatten()[best] >= (1.0 + min_gain) * full_rate
-        if not pays:
-            size, budget = r_all, full
+    full_rate = rate[-1, full]
+    pays = rate.flatten()[best] > full_rate and rate.flatten()[best] >= (1.0 + min_gain) * full_rate
+    if not pays:
+        size, budget = r_all, full
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
+
+
+def _extrapolated(costs: list[float], start: int, stop: int) -> torch.Tensor:
+    """costs[start:stop] from a table indexed 0..N, continued past N along its last stretch
+    (from N/2 to N), so steps larger than anything profiled are still priced, and priced high."""
+    table = torch.tensor(costs, dtype=torch.float32)
+    n = len(costs) - 1
+    idx = torch.arange(start, stop)
+    inside = table[idx.clamp(max=n)]
+    half = max(1, n // 2)
+    slope = max(0.0, float(table[n] - table[half]) / max(1, n - half))
+    return torch.where(idx > n, table[n] + slope * (idx - n), inside)
 
 
 def plan_budget(survival: torch.Tensor, table: CostTable, num_sampling: int, other_tokens: int,

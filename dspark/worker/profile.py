@@ -1,7 +1,8 @@
 """`dspark profile`: measure the step costs the verify-budget planner prices budgets with.
 
-Verify cost is timed for every total token count 1..T_max as the target forward a speculative
-step runs (requests of γ+1 rows each, logits for every row), draft cost for every request
+Verify cost is timed at every graph bucket up to T_max (and every Nth count past the largest)
+as the target forward a speculative step runs (requests of γ+1 rows each, logits for every
+row, padded to the bucket as the engine pads it); draft cost for every request
 count 1..R_max as one drafter proposal; both at a realistic context length, median of N timed
 calls after warm-up, then made monotone (a larger step never costs less: the noise of a shared
 machine must not make the planner chase phantom dips). The engine must be idle: profiling
@@ -78,6 +79,17 @@ def _draft_fn(worker: Worker, num_requests: int, context_len: int):
     return run
 
 
+def _token_sizes(worker: Worker, cfg: ProfileConfig) -> list[int]:
+    """The token counts to time: every graph bucket (a step costs what its bucket costs, so the
+    staircase is exact), then every `token_stride`-th count past the largest bucket."""
+    buckets = worker.graphs.buckets if worker.graphs is not None else []
+    inside = [b for b in buckets if b <= cfg.max_tokens]
+    start = max(inside, default=0)
+    beyond = range(start + cfg.token_stride, cfg.max_tokens + 1, cfg.token_stride) if inside else \
+        range(cfg.token_stride, cfg.max_tokens + 1, cfg.token_stride)
+    return sorted({1, cfg.max_tokens, *inside, *beyond})
+
+
 def monotone(costs: list[float]) -> list[float]:
     """Running maximum: cost never decreases with size."""
     out, top = [], 0.0
@@ -93,7 +105,7 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
     if worker.drafter is None:
         raise ValueError("profiling prices speculative steps: the engine needs a drafter")
     gamma = worker.drafter.config.block_size
-    sizes = sorted({1, cfg.max_tokens, *range(cfg.token_stride, cfg.max_tokens + 1, cfg.token_stride)})
+    sizes = _token_sizes(worker, cfg)
     bar = tqdm(total=len(sizes) + cfg.max_requests, desc="profile", disable=not use_tqdm)
     measured = {}
     for t in sizes:

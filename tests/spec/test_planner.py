@@ -56,9 +56,12 @@ def test_min_gain_keeps_verify_all_unless_trimming_pays():
     assert plan_budget(s, t, r, r, min_gain=gain * 1.1) == r * gamma
 
 
-def test_budget_never_exceeds_the_table_and_fingerprint_mismatch_is_named(tmp_path):
-    s, t = torch.ones(8, 7), table("linear", max_tokens=40)
-    assert plan_budget(s, t, 8, 8, min_gain=0.0) <= 40 - 8
+def test_steps_past_the_table_are_priced_along_its_last_slope_and_fingerprint_mismatch_is_named(tmp_path):
+    t = table("linear", max_tokens=40)                     # 5 + 0.8 t
+    assert t.verify_costs(38, 44).tolist() == pytest.approx([5 + 0.8 * x for x in range(38, 44)])
+    assert t.draft_costs(torch.tensor([0, 8, 10])).tolist() == pytest.approx([0.0, 2.6, 3.0])
+    s = torch.ones(8, 7)                                   # certain drafts, cheap tokens: all of them
+    assert plan_budget(s, t, 8, 8, min_gain=0.0) == 56
     path = str(tmp_path / "cost.json")
     t.save(path)
     loaded = CostTable.load(path)

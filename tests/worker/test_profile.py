@@ -32,3 +32,19 @@ def test_profile_table_is_complete_monotone_and_fingerprinted(tmp_path):
     llm.engine.add_request([3, 4], greedy)
     with pytest.raises(RuntimeError, match="idle engine"):
         llm.engine.profile(ProfileConfig(max_tokens=2, max_requests=1, repeats=1, warmup=0))
+
+
+def test_profile_times_the_bucket_staircase(tmp_path):
+    """Every graph bucket is timed and the counts between two buckets cost what the upper one
+    costs; past the largest bucket every `token_stride`-th count is timed."""
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=2, seed=1)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, layer_ids=(0,), seed=2)
+    llm = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128,
+              graph="eager", max_graph_tokens=16, max_num_batched_tokens=64)
+    from dspark.worker.profile import _token_sizes
+    cfg = ProfileConfig(max_tokens=40, max_requests=2, context_len=8, repeats=1, warmup=0, token_stride=12)
+    assert _token_sizes(llm.engine.worker, cfg) == [1, 2, 4, 8, 16, 28, 40]
+    table = llm.engine.profile(cfg)
+    v = table.verify_ms
+    assert v[5] == v[6] == v[7] == v[8] and v[9] == v[16] and v[17] == v[28] and v[29] == v[40]
+    assert llm.engine.cost_fingerprint()["buckets"] == [1, 2, 4, 8, 16]
