@@ -54,7 +54,7 @@ class ConfidenceScheduler:
         else:
             z = history[-min(self.lag, len(history))]
             survival = cumulative_survival(torch.tensor(z)[None], self.temperatures)[0]
-            survival = self.correction.apply(survival)
+        survival = self.correction.apply(survival)     # calibrates the c = 1 prior as well
         survival[cap:] = 0.0
         return survival
 

@@ -29,8 +29,8 @@ ENGINE_ARGS: list[tuple[str, dict]] = [
                                           "default: the shipped drafter for the embedded model")),
     ("--no-drafter", dict(action="store_true", help="decode plainly (no speculation)")),
     ("--graph", dict(default="auto", choices=["auto", "cuda", "compile", "eager"],
-                     help="how bucketed steps run: CUDA graphs, torch.compile per bucket, or eager "
-                          "(auto: CUDA graphs on NVIDIA, eager on CPU)")),
+                     help="how bucketed steps run: torch.compile per bucket or eager (auto: "
+                          "eager, measured as fast on CPU); CUDA graphs are not implemented yet")),
     ("--max-graph-tokens", dict(type=int, default=512, help="largest graph bucket (tokens per step)")),
     ("--graph-fallback", dict(action="store_true", help="run a bucket whose capture fails eagerly "
                                                         "(warned and counted) instead of failing")),

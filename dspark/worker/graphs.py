@@ -15,6 +15,7 @@ counted; so are buckets whose capture failed when the engine was told to fall ba
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -31,10 +32,9 @@ DUMMY_POSITION = 0
 
 
 def choose_mode(requested: str, device: torch.device) -> str:
-    """`auto`: CUDA graphs on an NVIDIA GPU; on a CPU, eager (see the README's measurement)."""
-    if requested != "auto":
-        return requested
-    return "cuda" if device.type == "cuda" else "eager"
+    """`auto`: eager. On a CPU it measured as fast as compiled buckets (README, Graph buckets);
+    on a GPU, CUDA-graph capture is not written yet."""
+    return "eager" if requested == "auto" else requested
 
 
 def token_buckets(max_tokens: int, smallest: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
@@ -65,6 +65,9 @@ class StepGraphs:
             raise ValueError(f"graph mode must be one of cuda, compile, eager; got {mode!r}")
         if mode == "cuda" and not (device.type == "cuda" and torch.cuda.is_available()):
             raise ValueError("--graph cuda needs an NVIDIA GPU; use compile or eager on this device")
+        if mode == "cuda":
+            raise ValueError("--graph cuda: CUDA-graph capture is not implemented yet; use compile "
+                             "or eager")
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be increasing positive token counts, got {buckets}")
         self.model, self.mode, self.buckets, self.device = model, mode, list(buckets), device
@@ -118,18 +121,13 @@ class StepGraphs:
         ids[t:].fill_(DUMMY_TOKEN_ID)          # rows a larger batch left here become padding again
         pos[:t].copy_(positions)
         pos[t:].fill_(DUMMY_POSITION)
-        meta = _with_live_rows(meta, t)
+        meta = dataclasses.replace(meta, num_tokens=t)
         runner = self.runners.get(b)
         if runner is None:                     # not captured (eager mode or a capture fallback)
             x, aux = self.model.forward_hidden(ids, pos, meta, kv_caches, self.aux_layer_ids)
         else:
             x, aux = runner(ids, pos, meta, kv_caches)
         return x[:t], None if aux is None else aux[:t]
-
-
-def _with_live_rows(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
-    import dataclasses
-    return dataclasses.replace(meta, num_tokens=num_tokens)
 
 
 def dummy_metadata(block_size: int, device: torch.device) -> AttentionMetadata:

@@ -19,7 +19,7 @@ from dspark.sampling_params import SamplingParams
 from dspark.spec.allocate import allocate
 from dspark.spec.draft import append_context, propose
 from dspark.spec.sts import survival as cumulative_survival
-from dspark.spec.verify import accept
+from dspark.spec.verify import accept, accept_greedy
 from dspark.worker.graphs import StepGraphs
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
@@ -152,23 +152,44 @@ class Worker:
         if not sampling:             # only prefill chunks that do not reach a prompt's end
             return StepResult(tokens=[], num_accepted=[], spec_rows=[])
         counts = [c.num_logits for c in sampling]
-        rows = torch.split(logits, counts)
         plain_idx = [i for i, s in enumerate(spec_flags) if not s]
         parts = []
         if plain_idx:
-            plain_logits = torch.stack([rows[i][-1] for i in plain_idx])
-            parts.append(sample(plain_logits, st.select(plain_idx)))
+            last = torch.tensor(_last_rows(counts, plain_idx), device=self.device)
+            parts.append(sample(logits[last], st.select(plain_idx)))
         if spec_idx:
-            gamma = proposal.tokens.shape[1]
-            padded = logits.new_zeros(len(spec_idx), gamma + 1, logits.shape[-1])
-            for j, i in enumerate(spec_idx):
-                padded[j, :counts[i]] = rows[i]
-            res = accept(padded, lens, proposal, st.select(spec_idx))
+            width = proposal.tokens.shape[1] + 1
+            block_rows = torch.tensor(_block_rows(counts, spec_idx, width), device=self.device)  # [R, γ+1]
+            spec_st = st.select(spec_idx)
+            if spec_st.all_greedy:
+                res = accept_greedy(logits.argmax(-1)[block_rows], lens, proposal)
+            else:
+                res = accept(logits[block_rows], lens, proposal, spec_st)
             parts += [res.num_accepted, lens, res.tokens.flatten()]
             if proposal.confidence_logits is not None:
                 parts.append(proposal.confidence_logits.flatten())
         flat = torch.cat([p.float() for p in parts]).tolist()    # the step's one device -> host copy
         return _unpack(flat, spec_flags, plain_idx, spec_idx, proposal)
+
+
+def _chunk_starts(counts: list[int]) -> list[int]:
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    return starts
+
+
+def _last_rows(counts: list[int], chunks: list[int]) -> list[int]:
+    """The logits row each plain chunk samples from (its last)."""
+    starts = _chunk_starts(counts)
+    return [starts[i] + counts[i] - 1 for i in chunks]
+
+
+def _block_rows(counts: list[int], blocks: list[int], width: int) -> list[list[int]]:
+    """The logits rows of each speculative block, `width` (γ+1) per block; a block with fewer
+    verified rows repeats its last one (positions past its verify length, never read)."""
+    starts = _chunk_starts(counts)
+    return [[starts[i] + min(k, counts[i] - 1) for k in range(width)] for i in blocks]
 
 
 def _sampling_offsets(chunks: list[RequestChunk]) -> list[int]:
