@@ -105,8 +105,9 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
 
     `other_tokens` are the step's tokens besides drafts (anchor rows and prefill chunks). The
     result is verify-all (every request drafts, R·γ verified) unless the plan is predicted to gain
-    at least `min_gain` in tokens per millisecond; steps larger than the table are priced along
-    its last measured slope.
+    at least `min_gain` in tokens per millisecond; likewise a plan that drafts is preferred to
+    drafting nothing only when it gains `min_gain` over it. Steps larger than the table are priced
+    along its last measured slope.
     """
     r_all, gamma = survival.shape
     full = r_all * gamma
@@ -130,9 +131,11 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
     rate[torch.arange(reach + 1)[None, :] > sizes[:, None] * gamma] = -torch.inf   # undrafted slots
     best = int(rate.flatten().argmax())                                        # first maximum
     size, budget = int(sizes[best // (reach + 1)]), best % (reach + 1)
-    full_rate = rate[-1, full]
-    pays = rate.flatten()[best] > full_rate and rate.flatten()[best] >= (1.0 + min_gain) * full_rate
-    if not pays:
+    best_rate = float(rate.flatten()[best])
+    if size > 0 and sizes[0] == 0 and best_rate < (1.0 + min_gain) * float(rate[0, 0]):
+        size, budget, best_rate = 0, 0, float(rate[0, 0])     # drafting must pay for itself too
+    full_rate = float(rate[-1, full])
+    if not (best_rate > full_rate and best_rate >= (1.0 + min_gain) * full_rate):
         size, budget = r_all, full
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
 

@@ -156,3 +156,19 @@ def test_the_requests_with_most_expected_drafts_draft_first():
     plan = plan_step(s, t, num_sampling=3, other_tokens=3, min_gain=0.0)
     # one request: (3 + 1.7) / 15 = 0.313; two: (3 + 2.4) / 19 = 0.284; none: 0.3
     assert plan.drafted == [False, True, False] and plan.budget == 2
+
+
+def test_drafting_must_beat_a_plain_step_by_min_gain():
+    """A request whose draft is predicted to pay 2.7% over a plain step is drafted with min_gain
+    0 and left plain with min_gain 0.05; at 5.6% it is drafted either way."""
+    t = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 16, draft_ms=[0.0, 10.0, 20.0])
+    s = torch.tensor([[0.0, 0.0], [1.0, 0.0]])           # request 1 surely accepts one draft
+    # plain: 2 / 10 = 0.2; drafting request 1, one slot: 3 / 20 = 0.15 -> plain wins outright
+    assert plan_step(s, t, 2, 2, min_gain=0.0).drafted == [False, False]
+    t.draft_ms = [0.0, 0.3, 0.6]          # drafting 1: (2 + 1) / 10.3 = 0.291 vs all: 3 / 10.6
+    assert plan_step(s, t, 2, 2, min_gain=0.0).drafted == [False, True]
+    t.draft_ms = [0.0, 4.2, 8.4]          # (2 + 1) / 14.2 = 0.211: 5.6% over plain 0.2
+    assert plan_step(s, t, 2, 2, min_gain=0.05).drafted == [False, True]
+    t.draft_ms = [0.0, 4.6, 9.2]          # (2 + 1) / 14.6 = 0.205: 2.7% over plain
+    assert plan_step(s, t, 2, 2, min_gain=0.0).drafted == [False, True]
+    assert plan_step(s, t, 2, 2, min_gain=0.05).drafted == [False, False]
