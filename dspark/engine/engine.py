@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+import os
 import time
 
 import torch
@@ -85,6 +87,7 @@ class Engine:
         """What a cost table must have been measured on to price this engine's steps."""
         return {"device": self.device.type, "model": self.config.model or "embedded",
                 "dtype": self.config.dtype, "drafter": self.config.spec.drafter,
+                "drafter_config": _file_digest(self.config.spec.drafter, "config.json"),
                 "gamma": self.drafter.config.block_size if self.drafter is not None else 0,
                 "num_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
                 "graph": self.worker.graphs.mode, "buckets": self.worker.graphs.buckets}
@@ -288,6 +291,15 @@ class Engine:
             text=seq.output_text, token_ids=list(seq.output_token_ids), finished=seq.is_finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, metrics=seq.metrics,
             spec=seq.spec, new_text=new_text, new_token_ids=new_ids)
+
+
+def _file_digest(folder: str | None, name: str) -> str | None:
+    """A short content hash: a drafter replaced in the same folder (another vocabulary, depth or
+    γ) must not be priced with the old drafter's costs."""
+    if folder is None or not os.path.isfile(os.path.join(folder, name)):
+        return None
+    with open(os.path.join(folder, name), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

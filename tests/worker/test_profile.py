@@ -48,3 +48,18 @@ def test_profile_times_the_bucket_staircase(tmp_path):
     v = table.verify_ms
     assert v[5] == v[6] == v[7] == v[8] and v[9] == v[16] and v[17] == v[28] and v[29] == v[40]
     assert llm.engine.cost_fingerprint()["buckets"] == [1, 2, 4, 8, 16]
+
+
+def test_a_drafter_replaced_in_the_same_folder_does_not_match_its_old_table(tmp_path):
+    import json
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=1)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, seed=2)
+    kw = dict(dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128)
+    old = LLM(str(tmp_path / "t"), **kw).engine.cost_fingerprint()
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, seed=2, rank=4)
+    new = LLM(str(tmp_path / "t"), **kw).engine.cost_fingerprint()
+    assert old["drafter"] == new["drafter"] and old["drafter_config"] != new["drafter_config"]
+    table = CostTable(fingerprint=old, verify_ms=[0.0, 1.0], draft_ms=[0.0, 1.0])
+    with pytest.raises(ValueError, match="drafter_config"):
+        table.check_fingerprint(new)
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["markov_rank"] == 4
