@@ -73,8 +73,7 @@ class Engine:
         buckets = token_buckets(min(self.config.max_graph_tokens, sched.max_num_batched_tokens))
         aux = self.drafter.config.target_layer_ids if self.drafter is not None else ()
         mode = choose_mode(self.config.graph, self.device)
-        graphs = StepGraphs(model, mode, buckets, self.device, aux, self.config.graph_fallback)
-        return graphs
+        return StepGraphs(model, mode, buckets, self.device, aux, self.config.graph_fallback)
 
     def _load_drafter(self, loaded):
         if self.config.spec.drafter is None:

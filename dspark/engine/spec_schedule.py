@@ -46,17 +46,19 @@ class ConfidenceScheduler:
         survival = cumulative_survival(torch.tensor(confidence_logits)[None], self.temperatures)[0]
         self.correction.observe(survival, verified, accepted)
 
-    def _stale_survival(self, seq: Sequence, cap: int) -> torch.Tensor:
-        """[γ] survival from `lag` rounds back (1.0 without history); 0 past the request's cap."""
-        history = seq.confidence_history
-        if not history:
-            survival = torch.ones(self.gamma)
-        else:
-            z = history[-min(self.lag, len(history))]
-            survival = cumulative_survival(torch.tensor(z)[None], self.temperatures)[0]
+    def _stale_survival(self, spec: list[ScheduledRequest]) -> torch.Tensor:
+        """[R, γ] survival from `lag` rounds back (1.0 without history), corrected; 0 past each
+        request's cap. One batched computation for the whole step."""
+        rows, known = [], []
+        for s in spec:
+            history = s.seq.confidence_history
+            known.append(bool(history))
+            rows.append(history[-min(self.lag, len(history))] if history else [0.0] * self.gamma)
+        survival = cumulative_survival(torch.tensor(rows), self.temperatures)
+        survival = torch.where(torch.tensor(known)[:, None], survival, 1.0)
         survival = self.correction.apply(survival)     # calibrates the c = 1 prior as well
-        survival[cap:] = 0.0
-        return survival
+        caps = torch.tensor([s.verify_len for s in spec])
+        return survival.masked_fill(torch.arange(self.gamma)[None, :] >= caps[:, None], 0.0)
 
     def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan | None:
         """Which speculative requests draft and how many drafts are verified; None: verify all."""
@@ -70,7 +72,7 @@ class ConfidenceScheduler:
                                "pricing it along the table's last slope (counted in oversize_steps)",
                                len(spec), other)
             self.oversize_steps += 1
-        survival = torch.stack([self._stale_survival(s.seq, s.verify_len) for s in spec])
+        survival = self._stale_survival(spec)
         num_sampling = sum(1 for s in scheduled if s.sample)
         probe = [s.seq.steps_without_draft >= self._interval(s.seq) for s in spec]
         plan = plan_step(survival, self.table, num_sampling, other, self.min_gain, forced=probe)

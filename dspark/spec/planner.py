@@ -123,14 +123,13 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
     member = rank[None, :] < sizes[:, None]                                    # [C, R]
     slots = torch.where(member[:, :, None], s[None], 0.0).flatten(1)
     slots = slots.sort(dim=1, descending=True).values                          # [C, R·γ]
-    reach = full
     gain = num_sampling + torch.cat([torch.zeros(len(sizes), 1), slots.cumsum(1)], 1)      # [C, B]
-    verify = table.verify_costs(other_tokens, other_tokens + reach + 1)                   # [B]
+    verify = table.verify_costs(other_tokens, other_tokens + full + 1)                    # [B]
     draft = table.draft_costs(sizes)                                                      # [C]
     rate = gain / (draft[:, None] + verify[None, :])                           # [C, B]
-    rate[torch.arange(reach + 1)[None, :] > sizes[:, None] * gamma] = -torch.inf   # undrafted slots
+    rate[torch.arange(full + 1)[None, :] > sizes[:, None] * gamma] = -torch.inf    # undrafted slots
     best = int(rate.flatten().argmax())                                        # first maximum
-    size, budget = int(sizes[best // (reach + 1)]), best % (reach + 1)
+    size, budget = int(sizes[best // (full + 1)]), best % (full + 1)
     best_rate = float(rate.flatten()[best])
     if size > 0 and sizes[0] == 0 and best_rate < (1.0 + min_gain) * float(rate[0, 0]):
         size, budget, best_rate = 0, 0, float(rate[0, 0])     # drafting must pay for itself too

@@ -93,8 +93,8 @@ def test_budgeted_steps_staggered_and_preempted(tmp_path_factory, target_dir, re
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [1, 2])
-def test_sampling_lossless_under_a_budget(tmp_path_factory, budget):
+@pytest.mark.parametrize("budget,skip_every", [(1, 0), (2, 0), (2, 2)])
+def test_sampling_lossless_under_a_budget(tmp_path_factory, budget, skip_every):
     target = tmp_path_factory.mktemp("small_target")
     save_tiny(str(target), "llama", tied=True, vocab=12, num_hidden_layers=4, seed=2)
     d = tmp_path_factory.mktemp("small_drafter")
@@ -104,13 +104,14 @@ def test_sampling_lossless_under_a_budget(tmp_path_factory, budget):
     def dist(drafter_dir, force):
         llm = LLM(str(target), dtype="float32", drafter=drafter_dir, max_model_len=64, max_num_seqs=256)
         if force is not None:
-            forced(llm, force)
+            forced(llm, force, skip_every)
         params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
         return Counter(tuple(o.token_ids) for o in llm.generate([prompt] * n, params)), llm
 
     spec, llm = dist(str(d), budget)
     plain, _ = dist(None, None)
     assert 0 < llm.engine.spec_stats.verified_tokens < llm.engine.spec_stats.drafted_tokens
+    assert (llm.engine.spec_stats.undrafted_steps > 0) == (skip_every > 0)
     support = set(spec) | set(plain)
     tv = 0.5 * sum(abs(spec[k] - plain[k]) / n for k in support)
     assert tv < 1.5 * math.sqrt(len(support) / n)
