@@ -11,7 +11,7 @@ from dspark.worker.kv_cache import allocate_kv_cache
 from tiny import save_random_drafter, save_tiny
 
 BLOCK, NUM_BLOCKS, BUCKETS = 4, 64, [1, 4, 8, 16]
-BACKENDS = ["eager", "compile"]
+BACKENDS = ["eager", pytest.param("compile", marks=pytest.mark.slow)]   # compiling takes seconds
 
 
 @pytest.fixture(scope="module")
