@@ -61,7 +61,7 @@ def test_unsupported_dtype(model_dir):
 
 
 def test_prompt_longer_than_context_leaves_engine_running(model_dir):
-    llm = LLM(model_dir, dtype="float32", max_model_len=32)
+    llm = LLM(model_dir, dtype="float32", max_model_len=32, graph="eager")
     engine = llm.engine
     rid = engine.add_request([5] * 10, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     engine.step()
@@ -78,7 +78,7 @@ def test_prompt_longer_than_context_leaves_engine_running(model_dir):
 
 
 def test_max_model_len_ends_generation(model_dir):
-    llm = LLM(model_dir, dtype="float32", max_model_len=16)
+    llm = LLM(model_dir, dtype="float32", max_model_len=16, graph="eager")
     out = llm.generate([[5] * 10], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
 

@@ -10,14 +10,14 @@ from dspark.cli import main
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(drafter=None)
+    return LLM(drafter=None, graph="eager")
 
 
 @pytest.mark.slow
 def test_generate_prints_the_completion(llm, capsys):
     prompt = "def add(a, b):\n"
     ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
-    main(["generate", "--no-drafter", "--prompt", prompt, "--max-tokens", "12"])
+    main(["generate", "--no-drafter", "--graph", "eager", "--prompt", prompt, "--max-tokens", "12"])
     out = capsys.readouterr()
     assert out.out == ref.text + "\n"
     assert f"[{len(ref.token_ids)} tokens, finish={ref.finish_reason}]" in out.err
@@ -27,5 +27,5 @@ def test_generate_prints_the_completion(llm, capsys):
 def test_chat_applies_the_template(llm, capsys, monkeypatch):
     ref = llm.chat([{"role": "user", "content": "Name a colour."}], SamplingParams(temperature=0, max_tokens=16))
     monkeypatch.setattr("sys.stdin", io.StringIO("Name a colour.\n"))
-    main(["chat", "--no-drafter", "--max-tokens", "16"])
+    main(["chat", "--no-drafter", "--graph", "eager", "--max-tokens", "16"])
     assert capsys.readouterr().out == ref.text + "\n"

@@ -32,7 +32,8 @@ def fixed_length(prompts: list[list[int]], length: int, n: int) -> list[list[int
 
 def _engines(args, max_seqs: int) -> dict:
     from dspark import LLM
-    common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max_seqs)
+    common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max_seqs,
+                  graph=getattr(args, "graph", "auto"))
     engines = {"plain": LLM(args.model, drafter=None, **common),
                "verify-all": LLM(args.model, drafter=args.drafter, **common)}
     if engines["verify-all"].engine.drafter is None:

@@ -67,12 +67,19 @@ class Engine:
         self._ids = itertools.count()
 
     def _graphs(self, model):
-        """The step graphs, captured before the engine serves (or profiles) anything."""
-        from dspark.worker.graphs import StepGraphs, choose_mode, token_buckets
+        """The step graphs, captured before the engine serves (or profiles) anything. `auto` is
+        CUDA graphs on NVIDIA and, on a CPU, the faster of compile and eager for this model,
+        measured once and remembered in the user's cache folder (graph_choice.py)."""
+        from dspark.worker.graph_choice import auto_mode, default_cache_path
+        from dspark.worker.graphs import StepGraphs, token_buckets
         sched = self.config.scheduler
         buckets = token_buckets(min(self.config.max_graph_tokens, sched.max_num_batched_tokens))
         aux = self.drafter.config.target_layer_ids if self.drafter is not None else ()
-        mode = choose_mode(self.config.graph, self.device)
+        mode = self.config.graph
+        if mode == "auto":
+            model_id = os.path.abspath(self.config.model) if self.config.model else "embedded"
+            mode = auto_mode(model, self.device, aux, {"model": model_id, "dtype": self.config.dtype},
+                             default_cache_path())
         return StepGraphs(model, mode, buckets, self.device, aux, self.config.graph_fallback)
 
     def _load_drafter(self, loaded):

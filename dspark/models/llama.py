@@ -27,6 +27,22 @@ class ModelOutput:
     last_hidden: torch.Tensor | None     # [N, hidden] final-normed hidden of the logits rows
 
 
+@dataclass
+class StackState:
+    """What passes from one piece of the decoder stack to the next (see CausalLM.forward_hidden).
+
+    A piece is everything between two attention calls; a captured graph keeps these tensors at
+    fixed addresses, so the next piece reads them in place.
+    """
+    x: torch.Tensor                      # [T, hidden] residual stream
+    cos: torch.Tensor                    # [T, 1, D] rotary tables of the step's positions
+    sin: torch.Tensor                    # [T, 1, D]
+    q: torch.Tensor | None               # [T, H, D] next layer's attention input (None after the last)
+    k: torch.Tensor | None               # [T, KVH, D]
+    v: torch.Tensor | None               # [T, KVH, D]
+    aux: dict[int, torch.Tensor]         # aux layer id -> [T, hidden], those collected so far
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -39,8 +55,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k/v [T, KVH, D], rotated and normed: what `attend` takes."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -48,8 +65,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(attend(q, k, v, kv, meta, self.scale))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -71,8 +87,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual x [T, hidden] -> this layer's q, k, v (input norm, projection, q/k norm, rotary)."""
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual x [T, hidden] and attention output [T, H*D] -> the layer's output [T, hidden]."""
+        x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -104,16 +126,46 @@ class CausalLM(nn.Module):
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack: [T] tokens -> last hidden [T, hidden] and aux hidden. Its shapes are
-        the step's token count alone, so a graph bucket compiles or captures exactly this."""
+        the step's token count alone, so a graph bucket compiles or captures exactly this.
+
+        It runs as pieces with attention between them: piece 0 (`first_piece`) and then one
+        `layer_piece` per layer. Attention is the only part whose shapes follow the context, so
+        a CUDA-graph bucket captures each piece and calls `attend` eagerly in between
+        (graph_backends.py); this loop is that replay loop with the pieces run directly.
+        """
+        s = self.first_piece(input_ids, positions, aux_layer_ids)
+        for i, layer in enumerate(self.layers):
+            attn = attend(s.q, s.k, s.v, kv_caches[i], meta, layer.self_attn.scale)   # [T, H*D]
+            s = self.layer_piece(i, s, attn, aux_layer_ids)
+        return s.x, self.aux_hidden(s, aux_layer_ids)
+
+    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    aux_layer_ids: tuple[int, ...] = ()) -> StackState:
+        """Piece 0: embeddings, the step's rotary tables and layer 0's q, k, v."""
         x = self.embed_tokens(input_ids)                          # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         aux = {-1: x} if -1 in aux_layer_ids else {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i], meta)
-            if i in aux_layer_ids:
-                aux[i] = x
-        aux_hidden = torch.cat([aux[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
-        return x, aux_hidden
+        return self._enter_layer(0, x, cos, sin, aux)
+
+    def layer_piece(self, i: int, s: StackState, attn: torch.Tensor,
+                    aux_layer_ids: tuple[int, ...] = ()) -> StackState:
+        """Piece i+1: layer i after its attention (o_proj, residual, MLP) fused with the next
+        layer's pre-attention; after the last layer only the residual stream remains."""
+        x = self.layers[i].post_attention(s.x, attn)
+        aux = {**s.aux, i: x} if i in aux_layer_ids else s.aux
+        return self._enter_layer(i + 1, x, s.cos, s.sin, aux)
+
+    def _enter_layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     aux: dict[int, torch.Tensor]) -> StackState:
+        if i == len(self.layers):
+            return StackState(x, cos, sin, None, None, None, aux)
+        q, k, v = self.layers[i].pre_attention(x, cos, sin)
+        return StackState(x, cos, sin, q, k, v, aux)
+
+    @staticmethod
+    def aux_hidden(s: StackState, aux_layer_ids: tuple[int, ...]) -> torch.Tensor | None:
+        """The aux features of the whole stack, [T, len(aux_layer_ids) * hidden], in the order given."""
+        return torch.cat([s.aux[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
 
     def compute_logits(self, x: torch.Tensor, logits_indices: torch.Tensor, aux_hidden: torch.Tensor | None,
                        return_hidden: bool = False) -> ModelOutput:

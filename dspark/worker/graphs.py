@@ -9,7 +9,8 @@ no stale row behind. The logits tail runs after the graph on the rows that sampl
 
 Backends share this path: `eager` (the padded path as plain PyTorch, for tests and debugging),
 `compile` (torch.compile per bucket, weights frozen into the graph where inductor supports it)
-and `cuda` (CUDA graphs, NVIDIA only). Steps larger than the largest bucket run eagerly and are
+and `cuda` (piecewise CUDA graphs, NVIDIA only; graph_backends.py). `auto` is resolved before a
+StepGraphs is built (graph_choice.py). Steps larger than the largest bucket run eagerly and are
 counted; so are buckets whose capture failed when the engine was told to fall back.
 """
 
@@ -29,12 +30,6 @@ logger = logging.getLogger(__name__)
 GRAPH_MODES = ("auto", "cuda", "compile", "eager")
 DUMMY_TOKEN_ID = 0
 DUMMY_POSITION = 0
-
-
-def choose_mode(requested: str, device: torch.device) -> str:
-    """`auto`: eager. On a CPU it measured as fast as compiled buckets (README, Graph buckets);
-    on a GPU, CUDA-graph capture is not written yet."""
-    return "eager" if requested == "auto" else requested
 
 
 def token_buckets(max_tokens: int, smallest: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
@@ -65,9 +60,6 @@ class StepGraphs:
             raise ValueError(f"graph mode must be one of cuda, compile, eager; got {mode!r}")
         if mode == "cuda" and not (device.type == "cuda" and torch.cuda.is_available()):
             raise ValueError("--graph cuda needs an NVIDIA GPU; use compile or eager on this device")
-        if mode == "cuda":
-            raise ValueError("--graph cuda: CUDA-graph capture is not implemented yet; use compile "
-                             "or eager")
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be increasing positive token counts, got {buckets}")
         self.model, self.mode, self.buckets, self.device = model, mode, list(buckets), device
@@ -80,6 +72,7 @@ class StepGraphs:
                           for b in buckets}
         self.runners: dict[int, object] = {}
         self.compiled = None                   # the torch.compile wrapper (compile mode)
+        self.graph_pool = None                 # the memory pool all buckets' CUDA graphs share
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket holding `num_tokens` rows (None: larger than every bucket)."""

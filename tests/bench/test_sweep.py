@@ -20,7 +20,7 @@ def test_sweep_reports_every_system_at_every_level(tmp_path, capsys):
     args = types.SimpleNamespace(
         model=str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", threads=None,
         sweep_concurrency="1,3", repetitions=1, input_tokens=6, output_tokens=5, data=None,
-        cost_table=None, min_gain=0.05, png=str(tmp_path / "sweep.png"),
+        cost_table=None, min_gain=0.05, png=str(tmp_path / "sweep.png"), graph="eager",
         prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
     report = run_sweep_bench(args)
     assert report["levels"] == [1, 3] and set(report["tokens_per_s"]) == set(SYSTEMS)

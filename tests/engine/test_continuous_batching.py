@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory):
 def make_llm(model_dir, kv_tokens=4096, **kw):
     per_token = 2 * 2 * 2 * 16 * 4          # K+V, 2 layers, 2 kv heads, head_dim 16, fp32
     return LLM(model_dir, dtype="float32", block_size=BLOCK, kv_cache_bytes=kv_tokens * per_token,
-               max_model_len=256, **kw)
+               max_model_len=256, graph="eager", **kw)
 
 
 def requests(n=16, seed=0):

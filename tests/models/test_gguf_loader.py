@@ -319,7 +319,7 @@ def test_tiny_llama3_rope_freqs_file(tmp_path):
 @pytest.fixture(scope="module")
 def engine_llm():
     from dspark import LLM
-    return LLM(None, dtype="float32", max_model_len=512, drafter=None)
+    return LLM(None, dtype="float32", max_model_len=512, drafter=None, graph="eager")
 
 
 PROMPT = "The three most important inventions of the nineteenth century were"

@@ -61,7 +61,7 @@ def make_drafter(path: str, target: str, gamma: int = 4) -> str:
 def engine_kwargs(kv_tokens: int = 8192, **overrides) -> dict:
     per_token = 2 * (4 + 1) * 2 * 16 * 4        # K+V of 4 target + 1 drafter layers, fp32
     kwargs = dict(dtype="float32", block_size=4, kv_cache_bytes=kv_tokens * per_token,
-                  max_model_len=128)
+                  max_model_len=128, graph="eager")
     kwargs.update(overrides)
     return kwargs
 

@@ -11,7 +11,8 @@ from tiny import save_random_drafter, save_tiny
 def test_calibration_run_writes_a_file_the_engine_accepts(tmp_path):
     save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=4)
     save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=2)
-    llm = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128)
+    llm = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128,
+              graph="eager")
     prompts = [[3 + i, 9, 4 + i % 5] for i in range(12)]
     cal = run_calibration(llm, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                           use_tqdm=False)
@@ -19,8 +20,10 @@ def test_calibration_run_writes_a_file_the_engine_accepts(tmp_path):
     assert cal.ece_after[0] <= cal.ece_before[0]
     assert llm.engine.confidence_records is None
     cal.save(str(tmp_path / "sts.json"))
-    ok = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), sts=str(tmp_path / "sts.json"))
+    ok = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"),
+             sts=str(tmp_path / "sts.json"), graph="eager")
     assert ok.engine.sts.temperatures == cal.temperatures
     STSCalibration(temperatures=[1.0, 1.0]).save(str(tmp_path / "short.json"))
     with pytest.raises(ValueError, match="γ=3"):
-        LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), sts=str(tmp_path / "short.json"))
+        LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"),
+            sts=str(tmp_path / "short.json"), graph="eager")

@@ -28,7 +28,7 @@ def drafter(tmp_path_factory, target_dir, **kw):
 def make_llm(target_dir, drafter_dir=None, kv_tokens=4096, max_model_len=256, **kw):
     per_token = 2 * (4 + 1) * 2 * 16 * 4       # K+V of 4 target + 1 drafter layers, fp32
     return LLM(target_dir, dtype="float32", drafter=drafter_dir, block_size=4,
-               kv_cache_bytes=kv_tokens * per_token, max_model_len=max_model_len, **kw)
+               kv_cache_bytes=kv_tokens * per_token, max_model_len=max_model_len, graph="eager", **kw)
 
 
 def workload(n, seed=0, max_out=40):
@@ -112,7 +112,8 @@ def test_sampling_lossless(tmp_path_factory):
     prompt = [3, 5, 7]
 
     def dist(drafter_dir):
-        llm = LLM(str(target), dtype="float32", drafter=drafter_dir, max_model_len=64, max_num_seqs=256)
+        llm = LLM(str(target), dtype="float32", drafter=drafter_dir, max_model_len=64, max_num_seqs=256,
+                  graph="eager")
         params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
         return Counter(tuple(o.token_ids) for o in llm.generate([prompt] * n, params)), llm
 

@@ -20,7 +20,7 @@ def test_committed_kv_equals_fresh_prefill(tmp_path):
 
     def llm():
         return LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), block_size=4,
-                   max_model_len=128, kv_cache_bytes=1 << 20)
+                   max_model_len=128, kv_cache_bytes=1 << 20, graph="eager")
 
     spec = llm().engine
     rid = spec.add_request([3, 9, 4, 7, 11], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
@@ -54,6 +54,7 @@ def test_cli_generate_with_drafter_prints_stats(tmp_path, capsys):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "t" / "tokenizer.json"))
     main(["generate", "--model", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--dtype", "float32",
+          "--graph", "eager",
           "--prompt", "w3 w9 w4", "--max-tokens", "12", "--ignore-eos", "--stats"])
     err = capsys.readouterr().err
     assert "[12 tokens" in err and "[all] rounds" in err and "per-position acceptance [" in err

@@ -102,7 +102,8 @@ def test_sampling_lossless_under_a_budget(tmp_path_factory, budget, skip_every):
     n, prompt = 3000, [3, 5, 7]
 
     def dist(drafter_dir, force):
-        llm = LLM(str(target), dtype="float32", drafter=drafter_dir, max_model_len=64, max_num_seqs=256)
+        llm = LLM(str(target), dtype="float32", drafter=drafter_dir, max_model_len=64, max_num_seqs=256,
+                  graph="eager")
         if force is not None:
             forced(llm, force, skip_every)
         params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]

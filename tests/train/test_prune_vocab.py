@@ -64,8 +64,8 @@ def test_decoding_with_a_pruned_drafter_is_lossless(pair, tmp_path):
     save_speculators(prune_drafter(full, torch.arange(0, VOCAB, 2)), str(tmp_path))
     prompts = [[3, 5, 7, 9], [11, 4, 6], [20, 21, 22, 23, 24]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(target_dir, dtype="float32", drafter=None).generate(prompts, params)
-    llm = LLM(target_dir, dtype="float32", drafter=str(tmp_path))
+    plain = LLM(target_dir, dtype="float32", drafter=None, graph="eager").generate(prompts, params)
+    llm = LLM(target_dir, dtype="float32", drafter=str(tmp_path), graph="eager")
     spec = llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert llm.engine.spec_stats.draft_rounds > 0

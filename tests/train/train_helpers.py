@@ -34,7 +34,7 @@ def generate_tiny_data(target_dir: str, data_dir: str, num: int = 40, max_tokens
     cfg = GenerateConfig(data_dir=data_dir, num_prompts=num, max_tokens=max_tokens,
                          chunk_size=chunk_size, model=target_dir, dtype="float32",
                          temperature=0.7, top_p=0.8)
-    llm = LLM(target_dir, dtype="float32", max_num_seqs=16, max_model_len=64)
+    llm = LLM(target_dir, dtype="float32", max_num_seqs=16, max_model_len=64, graph="eager")
     generate_shards(llm, tiny_prompts(num), cfg)
     return cfg
 

@@ -1,10 +1,16 @@
 """Graph buckets: padded replays give the live rows exactly what an unpadded eager step gives,
-and dummy rows never touch live state."""
+and dummy rows never touch live state.
+
+`pieces` runs the CUDA backend's piecewise replay loop on the CPU: each piece of the stack
+behaves as a captured graph does for its caller (static outputs recomputed in place from the
+tensors it was captured over), so everything but the CUDA capture itself is checked here.
+"""
 
 import pytest
 import torch
 
 from dspark.models.loader import load_target
+from dspark.worker.graph_backends import PiecewiseRunner, capture_pieces
 from dspark.worker.graphs import DUMMY_POSITION, DUMMY_TOKEN_ID, StepGraphs, dummy_metadata, token_buckets
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
@@ -12,6 +18,33 @@ from tiny import save_random_drafter, save_tiny
 
 BLOCK, NUM_BLOCKS, BUCKETS = 4, 64, [1, 4, 8, 16]
 BACKENDS = ["eager", pytest.param("compile", marks=pytest.mark.slow)]   # compiling takes seconds
+AUX = (0, 1)
+
+
+class InPlacePiece:
+    """A captured piece as its caller sees a CUDA graph: `out` stays the same tensors, and a
+    replay recomputes them in place from whatever the piece was captured over."""
+
+    def __init__(self, fn):
+        self.fn, self.out = fn, fn()
+
+    def __call__(self):
+        new = self.fn()
+        for name in ("x", "cos", "sin", "q", "k", "v"):
+            if getattr(self.out, name) is not None:
+                getattr(self.out, name).copy_(getattr(new, name))
+        for i, t in self.out.aux.items():
+            t.copy_(new.aux[i])
+        return self.out
+
+
+def piecewise_graphs(model, buckets, capture=InPlacePiece) -> StepGraphs:
+    """StepGraphs whose buckets replay through the CUDA backend's loop with `capture`d pieces."""
+    g = StepGraphs(model, "eager", buckets, torch.device("cpu"), aux_layer_ids=AUX)
+    with torch.inference_mode():
+        for b in buckets:
+            g.runners[b] = capture_pieces(model, g.input_ids[b], g.positions[b], AUX, capture)
+    return g
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +54,11 @@ def target(tmp_path_factory):
     return load_target(str(path), torch.float32, device="cpu", max_positions=256)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=BACKENDS + ["pieces"])
 def graphs(request, target):
-    g = StepGraphs(target.model, request.param, BUCKETS, torch.device("cpu"), aux_layer_ids=(0, 1))
+    if request.param == "pieces":
+        return piecewise_graphs(target.model, BUCKETS)
+    g = StepGraphs(target.model, request.param, BUCKETS, torch.device("cpu"), aux_layer_ids=AUX)
     g.capture(allocate_kv_cache(target.config, NUM_BLOCKS, BLOCK, torch.float32, torch.device("cpu")), BLOCK)
     return g
 
@@ -51,7 +86,7 @@ def clone(caches):
 
 
 def unpadded(target, inputs, caches):
-    return target.model.forward_hidden(inputs.input_ids, inputs.positions, inputs.attn, caches, (0, 1))
+    return target.model.forward_hidden(inputs.input_ids, inputs.positions, inputs.attn, caches, AUX)
 
 
 CLOSE = dict(atol=1e-5, rtol=1e-4)      # fp32: padding changes the GEMM's row count, not the math
@@ -136,6 +171,58 @@ def test_steps_above_the_largest_bucket_run_unpadded_and_are_counted(target, gra
         x, _ = graphs.run(inputs.input_ids, inputs.positions, inputs.attn, cache)
     assert torch.equal(x, ref_x)
     assert graphs.stats.eager_steps == eager_before + 1
+
+
+def split(t: int) -> list[int]:
+    """t tokens as a mix of decode rows and short verify chunks."""
+    q_lens = []
+    while t:
+        q_lens.append(min(t, 1 + len(q_lens) % 4))
+        t -= q_lens[-1]
+    return q_lens
+
+
+def test_piecewise_replay_matches_unpadded_eager_at_every_size_up_to_16(target):
+    g = piecewise_graphs(target.model, token_buckets(16))
+    assert g.buckets == [1, 2, 4, 8, 16]
+    for t in range(1, 17):
+        inputs = step(split(t), seed=t)
+        ref_cache, cache = fresh_cache(target, seed=t), fresh_cache(target, seed=t)
+        with torch.inference_mode():
+            ref_x, ref_aux = unpadded(target, inputs, ref_cache)
+            x, aux = g.run(inputs.input_ids, inputs.positions, inputs.attn, cache)
+        torch.testing.assert_close(x, ref_x, **CLOSE)
+        torch.testing.assert_close(aux, ref_aux, **CLOSE)
+        for (k, v), (rk, rv) in zip(cache, ref_cache):
+            torch.testing.assert_close(k, rk, **CLOSE)
+            torch.testing.assert_close(v, rv, **CLOSE)
+    assert sorted(g.stats.replays) == [1, 2, 4, 8, 16] and g.stats.eager_steps == 0
+
+
+class StalePiece(InPlacePiece):
+    """A piece whose replay does nothing: its outputs stay those of the all-dummy capture."""
+
+    def __call__(self):
+        return self.out
+
+
+def test_the_piecewise_check_catches_a_replay_that_does_not_recompute(target):
+    g = piecewise_graphs(target.model, [4], capture=StalePiece)
+    inputs = step([3])
+    with torch.inference_mode():
+        ref_x, _ = unpadded(target, inputs, fresh_cache(target))
+        x, _ = g.run(inputs.input_ids, inputs.positions, inputs.attn, fresh_cache(target))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(x, ref_x, **CLOSE)
+
+
+def test_a_captured_bucket_refuses_other_input_buffers(target):
+    g = piecewise_graphs(target.model, [4])
+    runner = g.runners[4]
+    assert isinstance(runner, PiecewiseRunner) and len(runner.pieces) == len(target.model.layers) + 1
+    inputs = step([2, 2])
+    with pytest.raises(ValueError, match="its own input buffers"), torch.inference_mode():
+        runner(inputs.input_ids, inputs.positions, inputs.attn, fresh_cache(target))
 
 
 def test_bucket_staircase_and_bad_configuration():

@@ -16,7 +16,8 @@ def test_monotone_is_a_running_maximum():
 def test_profile_table_is_complete_monotone_and_fingerprinted(tmp_path):
     save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=1)
     save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, seed=2)
-    llm = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128)
+    llm = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128,
+              graph="eager")
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     before = llm.generate([[3, 4, 5], [7, 8]], greedy)
     table = llm.engine.profile(ProfileConfig(max_tokens=9, max_requests=3, context_len=20,
@@ -54,7 +55,7 @@ def test_a_drafter_replaced_in_the_same_folder_does_not_match_its_old_table(tmp_
     import json
     save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=1)
     save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, seed=2)
-    kw = dict(dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128)
+    kw = dict(dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128, graph="eager")
     old = LLM(str(tmp_path / "t"), **kw).engine.cost_fingerprint()
     save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, seed=2, rank=4)
     new = LLM(str(tmp_path / "t"), **kw).engine.cost_fingerprint()

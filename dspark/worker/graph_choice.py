@@ -1,0 +1,136 @@
+"""`--graph auto`: CUDA graphs on NVIDIA; on a CPU, whichever of compile and eager is faster here.
+
+Which backend wins on a CPU depends on the model, the dtype, the thread count and the torch build
+(README, Graph buckets: compiled SmolLM2 was 1.04x eager for one request and 0.88x for DSpark
+at 16), so it is measured rather than assumed: the 1-token bucket, eager and compiled, median of
+a few all-dummy replays. An all-dummy step skips attention, which is eager under both backends
+anyway, so the timing is the part the backends differ in. Compiling every bucket costs tens of
+seconds at each start, so compile must win by `min_gain`. The verdict is kept in a small JSON
+file keyed by a fingerprint of what it depends on, and a later start reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dspark.models.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_VERDICTS = 32        # oldest dropped first: model folders of finished runs pile up
+
+
+@dataclass(frozen=True)
+class GraphChoice:
+    mode: str                   # "compile" or "eager"
+    eager_ms: float             # median all-dummy 1-token step, eager
+    compile_ms: float           # the same, compiled
+    cached: bool = False        # read from the cache file rather than measured now
+
+
+def default_cache_path() -> Path:
+    """~/.cache/dspark/graph_choice.json (under $XDG_CACHE_HOME when it is set)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dspark" / "graph_choice.json"
+
+
+def auto_mode(model: CausalLM, device: torch.device, aux_layer_ids: tuple[int, ...],
+              fingerprint: dict, cache_path: Path) -> str:
+    """The backend `auto` stands for on this device. `fingerprint` names the model and dtype;
+    the torch build, device and thread count are added here."""
+    if device.type == "cuda":
+        logger.info("graph auto: cuda (CUDA graphs on an NVIDIA GPU)")
+        return "cuda"
+    if device.type != "cpu":
+        logger.info("graph auto: eager (no graph backend is measured on %s)", device.type)
+        return "eager"
+    full = {**fingerprint, "torch": torch.__version__, "device": str(device),
+            "num_threads": torch.get_num_threads()}
+    choice = choose_cpu_mode(full, cache_path,
+                             lambda mode: time_one_token_bucket(model, mode, device, aux_layer_ids))
+    how = (f"measured earlier, cached in {cache_path}" if choice.cached
+           else f"measured now, saved to {cache_path}")
+    logger.info("graph auto: %s (1-token step %.3f ms compiled vs %.3f ms eager; %s)",
+                choice.mode, choice.compile_ms, choice.eager_ms, how)
+    return choice.mode
+
+
+def choose_cpu_mode(fingerprint: dict, cache_path: Path, measure: Callable[[str], float],
+                    min_gain: float = 0.05) -> GraphChoice:
+    """The cached verdict for `fingerprint`, else measure(mode) -> ms for eager and compile and
+    keep compile only if it is at least `min_gain` faster; the new verdict is cached."""
+    key = json.dumps(fingerprint, sort_keys=True)
+    verdicts = _read_verdicts(cache_path)
+    if key in verdicts:
+        try:
+            cached = GraphChoice(**{**verdicts[key], "cached": True})
+            if cached.mode in ("compile", "eager"):
+                return cached
+        except TypeError:
+            pass
+        logger.warning("ignoring a malformed graph verdict in %s", cache_path)
+    eager_ms, compile_ms = measure("eager"), measure("compile")
+    mode = "compile" if compile_ms < eager_ms * (1.0 - min_gain) else "eager"
+    choice = GraphChoice(mode, eager_ms, compile_ms)
+    verdicts.pop(key, None)
+    verdicts[key] = {k: v for k, v in asdict(choice).items() if k != "cached"}
+    _write_verdicts(cache_path, dict(list(verdicts.items())[-MAX_CACHED_VERDICTS:]))
+    return choice
+
+
+def median_step_ms(run: Callable[[], object], replays: int = 7, warmup: int = 2,
+                   timer: Callable[[], float] = time.perf_counter) -> float:
+    """Median wall time of `run()` in ms over `replays` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(replays):
+        start = timer()
+        run()
+        times.append(timer() - start)
+    return statistics.median(times) * 1e3
+
+
+def time_one_token_bucket(model: CausalLM, mode: str, device: torch.device,
+                          aux_layer_ids: tuple[int, ...], replays: int = 7) -> float:
+    """Median ms of an all-dummy step at a 1-token bucket built (and compiled) for `mode` alone."""
+    from dspark.worker.graphs import StepGraphs, dummy_metadata
+    from dspark.worker.kv_cache import allocate_kv_cache
+    graphs = StepGraphs(model, mode, [1], device, aux_layer_ids)
+    caches = allocate_kv_cache(model.config, 1, 1, model.embed_tokens.weight.dtype, device)
+    graphs.capture(caches, 1)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    meta = dummy_metadata(1, device)
+    return median_step_ms(lambda: graphs.run(empty, empty, meta, caches), replays)
+
+
+def _read_verdicts(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        verdicts = json.loads(path.read_text()).get("verdicts", {})
+        return verdicts if isinstance(verdicts, dict) else {}
+    except (OSError, ValueError, AttributeError) as exc:
+        logger.warning("ignoring unreadable graph verdicts in %s: %s", path, exc)
+        return {}
+
+
+def _write_verdicts(path: Path, verdicts: dict) -> None:
+    """Written whole through a temporary file, so a concurrent start reads old or new, not half."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"verdicts": verdicts}, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.warning("could not cache the graph verdict in %s (measured again next start): %s",
+                       path, exc)
