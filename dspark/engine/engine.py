@@ -161,6 +161,10 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the context allows "
                              f"(max_model_len={self.max_model_len}, at least one token to generate)")
+        from dspark.worker.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
+        if request_id is not None and is_reserved_request_id(request_id):
+            raise ValueError(f"request id {request_id!r} starts with {DUMMY_REQUEST_PREFIX!r}, a "
+                             "prefix reserved for the engine's padding (dummy) requests")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")

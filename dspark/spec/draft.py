@@ -8,6 +8,8 @@ all of which were written by committed tokens, so no rollback write is needed.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from dspark.models.drafter import Drafter
@@ -16,6 +18,7 @@ from dspark.spec.types import DraftProposal
 from dspark.worker.sampler import SamplingTensors, exponential_noise
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+BlockPass = Callable[..., tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]   # `block_pass`
 
 
 def append_context(drafter: Drafter, kv: KVCaches, aux_hidden: torch.Tensor, positions: torch.Tensor,
@@ -28,21 +31,41 @@ def append_context(drafter: Drafter, kv: KVCaches, aux_hidden: torch.Tensor, pos
 
 
 def propose(drafter: Drafter, kv: KVCaches, anchors: torch.Tensor, starts: torch.Tensor,
-            block_tables: torch.Tensor, block_size: int, st: SamplingTensors) -> DraftProposal:
-    """anchors/starts [R] (x0 and its position), block_tables [R, NB] -> γ drafts per request."""
+            block_tables: torch.Tensor, block_size: int, st: SamplingTensors,
+            kv_len: int | None = None, run_block: BlockPass | None = None) -> DraftProposal:
+    """anchors/starts [R] (x0 and its position), block_tables [R, NB] -> γ drafts per request.
+
+    `kv_len` is how many context keys to gather (default: the longest context, read with one
+    device sync); a padded replay passes whole pages instead, known on the host. `run_block` runs
+    the block pass (default: `block_pass` as it is; the compile backend passes its compiled form).
+    """
     cfg = drafter.config
     r, slots = anchors.shape[0], cfg.num_block_slots
     block_ids = torch.full((r, slots), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
     block_ids[:, 0] = anchors
     positions = starts[:, None] + torch.arange(slots, device=anchors.device)[None, :]   # [R, S]
-    kv_len = max(int(starts.max()), 1)
+    if kv_len is None:
+        kv_len = max(int(starts.max()), 1)
     ctx_k = [gather_blocks(k, block_tables, block_size, kv_len).transpose(1, 2) for k, _ in kv]
     ctx_v = [gather_blocks(v, block_tables, block_size, kv_len).transpose(1, 2) for _, v in kv]
     ctx_valid = torch.arange(kv_len, device=anchors.device)[None, :] < starts[:, None]  # [R, L]
+    h, base, state = (run_block or block_pass)(drafter, block_ids, positions, ctx_k, ctx_v, ctx_valid,
+                                               anchors)
+    return _markov_loop(drafter, h, base, anchors, state, st)
+
+
+def block_pass(drafter: Drafter, block_ids: torch.Tensor, positions: torch.Tensor,
+               ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], ctx_valid: torch.Tensor,
+               anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backbone over every block, then the base logits: the part of a draft step whose shapes
+    are fixed by the request count (and the context length L), so the part a graph compiles.
+
+    block_ids/positions [R, S]; ctx_k/ctx_v per layer [R, L, KVH, D]; ctx_valid [R, L]
+    -> (h [R, γ, d], base logits fp32 [R, γ, V_draft], Markov state entering draft 1 or None).
+    """
     h_block = drafter.block_forward(block_ids, positions, ctx_k, ctx_v, ctx_valid)    # [R, S, d]
     h = drafter.draft_hidden(h_block)                                                  # [R, γ, d]
-    state = drafter.init_markov_state(h_block, anchors)
-    return _markov_loop(drafter, h, drafter.base_logits(h), anchors, state, st)
+    return h, drafter.base_logits(h), drafter.init_markov_state(h_block, anchors)
 
 
 def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor,

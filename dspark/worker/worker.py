@@ -19,7 +19,9 @@ from dspark.sampling_params import SamplingParams
 from dspark.spec.allocate import allocate
 from dspark.spec.draft import append_context, propose
 from dspark.spec.sts import survival as cumulative_survival
+from dspark.spec.types import DraftProposal
 from dspark.spec.verify import accept, accept_greedy
+from dspark.worker.draft_graphs import DraftGraphs, build_draft_graphs
 from dspark.worker.graphs import StepGraphs
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
@@ -50,7 +52,7 @@ class StepResult:
 class Worker:
     def __init__(self, model: CausalLM, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, drafter: Drafter | None = None,
-                 graphs: StepGraphs | None = None):
+                 graphs: StepGraphs | None = None, max_num_seqs: int | None = None):
         self.model = model
         self.graphs = graphs                                  # None: unpadded eager forward
         self.config = config
@@ -63,8 +65,13 @@ class Worker:
         self.sts_temperatures: torch.Tensor | None = None    # [γ] applied before allocation
         self.trim_fallbacks = 0                               # budgeted steps verified in full
         self.draft_kv = None
+        self.draft_graphs: DraftGraphs | None = None          # None: the draft step runs unpadded
         if drafter is not None:
             self.draft_kv = allocate_kv_cache(drafter.config, num_blocks, block_size, dtype, device)
+            if graphs is not None:                            # the draft step in the target's mode
+                self.draft_graphs = build_draft_graphs(drafter, graphs, num_blocks, block_size,
+                                                       config.max_position_embeddings, max_num_seqs)
+                self.draft_graphs.capture(self.draft_kv)
 
     @torch.inference_mode()
     def execute(self, batch: WorkerBatch) -> StepResult:
@@ -124,15 +131,21 @@ class Worker:
         beyond = torch.arange(z.shape[1], device=z.device)[None, :] >= caps[:, None]
         return survival.masked_fill(beyond, -1.0)
 
-    def _draft(self, sampling: list[RequestChunk], spec_idx: list[int], st: SamplingTensors):
+    def _draft(self, sampling: list[RequestChunk], spec_idx: list[int], st: SamplingTensors,
+               bucket: int | None = None, table_width: int | None = None) -> DraftProposal:
+        """The drafter over the speculative requests, at their request bucket when there are
+        draft graphs; `bucket`/`table_width` force the padded shape (a data-parallel key)."""
         chunks = [sampling[i] for i in spec_idx]
         anchors = torch.tensor([c.token_ids[0] for c in chunks], device=self.device)
         starts = torch.tensor([c.start for c in chunks], device=self.device)
         width = max(len(c.block_table) for c in chunks)
         tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks],
                               device=self.device)
-        return propose(self.drafter, self.draft_kv, anchors, starts, tables, self.block_size,
-                       st.select(spec_idx))
+        if self.draft_graphs is None:
+            return propose(self.drafter, self.draft_kv, anchors, starts, tables, self.block_size,
+                           st.select(spec_idx))
+        return self.draft_graphs.run(self.draft_kv, anchors, starts, tables, st.select(spec_idx),
+                                     bucket=bucket, table_width=table_width).proposal
 
     def _place_drafts(self, inputs: StepInputs, chunks: list[RequestChunk], spec_idx: list[int],
                       drafts: torch.Tensor) -> None:

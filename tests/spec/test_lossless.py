@@ -25,10 +25,12 @@ def drafter(tmp_path_factory, target_dir, **kw):
     return str(path)
 
 
-def make_llm(target_dir, drafter_dir=None, kv_tokens=4096, max_model_len=256, **kw):
+def make_llm(target_dir, drafter_dir=None, kv_tokens=4096, max_model_len=256, graph="eager", **kw):
     per_token = 2 * (4 + 1) * 2 * 16 * 4       # K+V of 4 target + 1 drafter layers, fp32
+    if graph == "compile":      # every bucket compiles at start-up: keep them few
+        kw.setdefault("max_graph_tokens", 16)
     return LLM(target_dir, dtype="float32", drafter=drafter_dir, block_size=4,
-               kv_cache_bytes=kv_tokens * per_token, max_model_len=max_model_len, graph="eager", **kw)
+               kv_cache_bytes=kv_tokens * per_token, max_model_len=max_model_len, graph=graph, **kw)
 
 
 def workload(n, seed=0, max_out=40):
@@ -46,14 +48,19 @@ def reference(target_dir):
     return [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
 
 
+GRAPHS = ["eager", pytest.param("compile", marks=pytest.mark.slow)]   # compiling takes seconds
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
 @pytest.mark.parametrize("gamma,head,anchor,copy", [
     (1, "vanilla", True, 0.0), (2, "gated", True, 0.0), (3, "rnn", True, 0.0), (4, "vanilla", False, 9.0),
     (5, "rnn", False, 0.0), (7, "vanilla", True, 9.0), (8, "gated", True, 0.0)])
-def test_greedy_lossless(tmp_path_factory, target_dir, reference, gamma, head, anchor, copy):
+def test_greedy_lossless(tmp_path_factory, target_dir, reference, gamma, head, anchor, copy, graph):
+    """Target and draft steps both at their graph buckets (padded, dummies) in either backend."""
     d = drafter(tmp_path_factory, target_dir, gamma=gamma, markov_type=head, sample_from_anchor=anchor,
                 copy_prev=copy)
     prompts, params = workload(16)
-    llm = make_llm(target_dir, d, max_num_batched_tokens=64)
+    llm = make_llm(target_dir, d, max_num_batched_tokens=64, graph=graph)
     together = [o.token_ids for o in llm.generate(prompts, params)]
     assert together == reference
     alone = [llm.generate([prompts[i]], params[i])[0].token_ids for i in (0, 5)]
@@ -61,6 +68,9 @@ def test_greedy_lossless(tmp_path_factory, target_dir, reference, gamma, head, a
     stats = llm.engine.spec_stats
     assert stats.draft_rounds > 0 and stats.drafted_tokens == stats.draft_rounds * gamma
     assert stats.accepted_tokens <= stats.verified_tokens <= stats.drafted_tokens
+    draft_graphs = llm.engine.worker.draft_graphs
+    assert draft_graphs.mode == graph and draft_graphs.stats.capture_fallbacks == 0
+    assert sum(draft_graphs.stats.replays.values()) > 0 and draft_graphs.stats.eager_steps == 0
 
 
 def test_greedy_lossless_staggered_and_preempted(tmp_path_factory, target_dir, reference):
