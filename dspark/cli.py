@@ -122,7 +122,9 @@ def cmd_demo(args) -> None:
 
 def cmd_serve(args) -> None:
     from dspark.server.launch import run_serve
-    run_serve(args)
+    code = run_serve(args)
+    if code:
+        sys.exit(code)
 
 
 def cmd_bench(args) -> None:

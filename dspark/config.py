@@ -39,6 +39,24 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
 
+@dataclass
+class ParallelConfig:
+    """Data parallelism: N engine replicas in one torch.distributed group, stepping in lockstep."""
+    data_parallel_size: int = 1
+    dp_timeout_s: float = 30.0           # a collective waiting longer stops the group, naming the rank
+    dp_startup_timeout_s: float = 600.0  # loading and capturing on every rank
+    dp_idle_wait_s: float = 7 * 86400.0  # ranks 1..N-1 waiting between steps for rank 0 (its
+                                         # death still ends the wait at once)
+    dp_host: str = "127.0.0.1"           # where rank 0 hosts the group's store
+    dp_port: int = 0                     # 0: any free port
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if not self.dp_timeout_s > 0 or not self.dp_startup_timeout_s > 0:
+            raise ValueError("dp_timeout_s and dp_startup_timeout_s must be positive")
+
+
 EMBEDDED = "embedded"     # the drafter shipped for the embedded target
 AUTO = "auto"             # the embedded drafter for the embedded target, none for any other model
 SCHEDULES = ("verify-all", "confidence")
@@ -119,6 +137,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -7,7 +7,7 @@ from typing import Sequence as Seq
 
 from tqdm import tqdm
 
-from dspark.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dspark.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpecConfig
 from dspark.engine.engine import Engine
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
@@ -22,15 +22,26 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", drafter: str | None = "auto",
                  **kwargs):
-        self.engine = Engine(build_config(model=model, dtype=dtype, drafter=drafter, **kwargs))
-        self.tokenizer = self.engine.tokenizer
+        self._start(build_config(model=model, dtype=dtype, drafter=drafter, **kwargs))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         llm = cls.__new__(cls)
-        llm.engine = Engine(config)
-        llm.tokenizer = llm.engine.tokenizer
+        llm._start(config)
         return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        """One engine, or with data_parallel_size > 1 a group whose rank 0 runs here."""
+        if config.parallel.data_parallel_size > 1:
+            from dspark.distributed.group import start_group
+            self.engine = start_group(config)
+        else:
+            self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop a data-parallel group's ranks (nothing to do for one engine)."""
+        self.engine.close()
 
     def generate(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -61,7 +72,8 @@ class LLM:
 
 def build_config(**kwargs) -> EngineConfig:
     """Route flat keyword arguments to the engine, cache and scheduler sections."""
-    sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
+    sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig,
+                "parallel": ParallelConfig}
     picked: dict[str, dict] = {name: {} for name in sections}
     top = {}
     for key, value in kwargs.items():

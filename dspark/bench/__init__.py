@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-MODES = ("plain", "spec", "serve", "sweep", "graphs")
+MODES = ("plain", "spec", "serve", "sweep", "graphs", "dp")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +24,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="graphs: comma-separated backends to compare (eager, compile, cuda)")
     from dspark.bench.serve import add_serve_bench_args
     add_serve_bench_args(p)
+    from dspark.bench.dp import add_dp_bench_args
+    add_dp_bench_args(p)
 
 
 def run_bench(args: argparse.Namespace) -> None:
@@ -42,3 +44,6 @@ def run_bench(args: argparse.Namespace) -> None:
     elif args.mode == "graphs":
         from dspark.bench.graphs import run_graphs_bench
         run_graphs_bench(args)
+    elif args.mode == "dp":
+        from dspark.bench.dp import run_dp_bench
+        run_dp_bench(args)

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,10 +20,30 @@ from dspark.models.loader import load_target
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
 from dspark.worker.inputs import RequestChunk
+from dspark.worker.step_key import StepKey
 from dspark.worker.kv_cache import bytes_per_block, num_blocks_for_budget
 from dspark.worker.worker import StepResult, Worker, WorkerBatch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineLoad:
+    """Queue and cache occupancy, for metrics (summed over ranks under data parallelism)."""
+    waiting: int
+    running: int
+    free_blocks: int
+    num_blocks: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass
+class PreparedStep:
+    sched: SchedulerOutput
+    batch: WorkerBatch
 
 
 class Engine:
@@ -52,7 +73,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, gamma)
         self.worker = Worker(loaded.model, loaded.config, num_blocks, cache.block_size,
                              config.torch_dtype, self.device, drafter=self.drafter,
-                             graphs=self._graphs(loaded.model))
+                             graphs=self._graphs(loaded.model),
+                             max_num_seqs=config.scheduler.max_num_seqs)
         self.spec_stats = SpecStats(accepted_per_position=[0] * gamma)
         self.sts = self._load_sts(gamma)
         self.confidence_scheduler = self._confidence_scheduler(gamma)
@@ -151,6 +173,19 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         params = params or SamplingParams()
+        text, ids = self.check_request(prompt, params, request_id)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, ids, params, prompt=text, arrival_time=arrival_time)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams,
+                      request_id: str | None = None) -> tuple[str | None, list[int]]:
+        """(prompt text, prompt ids) of a request this engine accepts; ValueError/TypeError naming
+        the problem otherwise. A data-parallel front end checks here before routing."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._encode(prompt)
@@ -165,13 +200,7 @@ class Engine:
         if request_id is not None and is_reserved_request_id(request_id):
             raise ValueError(f"request id {request_id!r} starts with {DUMMY_REQUEST_PREFIX!r}, a "
                              "prefix reserved for the engine's padding (dummy) requests")
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already running")
-        seq = Sequence(request_id, ids, params, prompt=text, arrival_time=arrival_time)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        return text, ids
 
     def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -194,11 +223,25 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def close(self) -> None:
+        """Nothing to release for one engine (a data-parallel group stops its ranks here)."""
+
+    def load(self) -> EngineLoad:
+        blocks = self.block_manager
+        return EngineLoad(len(self.scheduler.waiting), len(self.scheduler.running),
+                          blocks.num_free_blocks, blocks.num_blocks)
+
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        prepared = self.prepare_step()
+        return [] if prepared is None else self.run_step(prepared)
+
+    def prepare_step(self) -> PreparedStep | None:
+        """Schedule and plan the next step without running it (None: nothing to run). Data
+        parallel ranks agree on the shapes of their prepared steps before running them."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return None
         plan = None
         if self.confidence_scheduler is not None:
             plan = self.confidence_scheduler.plan(sched.scheduled)
@@ -206,8 +249,12 @@ class Engine:
                 self._leave_undrafted(sched, plan.drafted)
         batch = self._worker_batch(sched)
         batch.verify_budget = None if plan is None else plan.budget
-        result = self.worker.execute(batch)
-        return self._commit(sched, result)
+        return PreparedStep(sched, batch)
+
+    def run_step(self, prepared: PreparedStep, key: StepKey | None = None) -> list[RequestOutput]:
+        """Run a prepared step (at the group's agreed key under data parallelism) and commit it."""
+        result = self.worker.execute(prepared.batch, key)
+        return self._commit(prepared.sched, result)
 
     def _leave_undrafted(self, sched: SchedulerOutput, drafted: list[bool]) -> None:
         """Speculative requests the planner left out of the drafter pass decode one plain token;
@@ -222,7 +269,7 @@ class Engine:
             self.spec_stats.undrafted_steps += 1
 
     def _worker_batch(self, sched: SchedulerOutput) -> WorkerBatch:
-        chunks, params, gens, spec = [], [], [], []
+        chunks, params, gens, spec, request_ids = [], [], [], [], []
         for s in sched.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             if s.spec:      # the anchor, then ℓ rows the drafter fills on the device
@@ -235,7 +282,8 @@ class Engine:
                 params.append(seq.params)
                 gens.append(seq.generator)
                 spec.append(s.spec)
-        return WorkerBatch(chunks, params, gens, spec)
+                request_ids.append(seq.request_id)
+        return WorkerBatch(chunks, params, gens, spec, request_ids=request_ids)
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs, now, k, j = [], time.perf_counter(), 0, 0

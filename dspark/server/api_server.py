@@ -16,7 +16,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -138,6 +138,14 @@ def _as_api_error(exc: BaseException, prompt_param: str) -> BaseException:
     return exc
 
 
+def start_engine(config: EngineConfig) -> Engine:
+    """One engine, or rank 0 of a data-parallel group (same interface)."""
+    if config.parallel.data_parallel_size > 1:
+        from dspark.distributed.group import start_group
+        return start_group(config)
+    return Engine(config)
+
+
 def default_served_name(model: str | None) -> str:
     if model is None:
         from dspark.models.gguf import default_model_path
@@ -149,13 +157,16 @@ def default_served_name(model: str | None) -> str:
 
 
 def build_app(engine: Engine | EngineConfig, served_model_name: str | None = None,
-              max_queue: int | None = 256) -> FastAPI:
-    """The app owns an engine thread from startup to shutdown (FastAPI lifespan)."""
+              max_queue: int | None = 256,
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app owns an engine thread from startup to shutdown (FastAPI lifespan). A config with
+    data_parallel_size > 1 starts a group whose rank 0 runs here. `on_fatal` is called when
+    the engine can no longer serve (a data-parallel rank failed): the launcher exits non-zero."""
     if isinstance(engine, EngineConfig):
-        engine = Engine(engine)
+        engine = start_engine(engine)
     gamma = engine.drafter.config.block_size if engine.drafter is not None else 0
     metrics = ServerMetrics(gamma)
-    state = ServerState(AsyncEngine(engine, max_queue, observers=[metrics]),
+    state = ServerState(AsyncEngine(engine, max_queue, observers=[metrics], on_fatal=on_fatal),
                         served_model_name or default_served_name(engine.config.model), metrics)
 
     @asynccontextmanager
@@ -167,6 +178,7 @@ def build_app(engine: Engine | EngineConfig, served_model_name: str | None = Non
             yield
         finally:
             await state.async_engine.stop()
+            await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="dspark", lifespan=lifespan)
     app.state.server = state

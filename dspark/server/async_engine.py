@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from dspark.distributed.failure import DPGroupError
 from dspark.engine.engine import Engine
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
@@ -135,8 +136,11 @@ def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int | None = 256,
-                 observers: Sequence[EngineObserver] = ()):
+                 observers: Sequence[EngineObserver] = (),
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.on_fatal = on_fatal             # the server's exit, when the engine cannot go on
+        self.fatal: BaseException | None = None
         self.max_queue = max_queue
         self.observers = list(observers)
         self._cond = threading.Condition()
@@ -257,6 +261,9 @@ class AsyncEngine:
                 if self.engine.has_unfinished:
                     self._step()
                 self._publish_state()
+            except DPGroupError as exc:                       # the group is gone: stop serving
+                self._die(exc)
+                break
             except Exception:                                 # never let the loop die silently
                 logger.exception("unexpected error in the engine loop")
                 self._fail_in_flight(RequestFailed("internal error in the engine loop"))
@@ -290,7 +297,7 @@ class AsyncEngine:
                 results.append((command.request_id, RequestFailed(f"could not add the request: {exc}")))
         with self._cond:
             self._in_transit = 0
-            self._engine_waiting = len(self.engine.scheduler.waiting)
+            self._engine_waiting = self.engine.load().waiting
         self._send(results)
 
     def _step(self) -> None:
@@ -299,6 +306,8 @@ class AsyncEngine:
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
+        except DPGroupError:
+            raise
         except Exception as exc:
             logger.exception("engine step failed; failing the requests in the engine")
             self._fail_in_flight(RequestFailed(f"the engine failed while running this request: {exc}"))
@@ -306,6 +315,23 @@ class AsyncEngine:
         report = StepReport(time.perf_counter() - start, outputs, _spec_delta(before, self.engine.spec_stats))
         self._send([(out.request_id, out) for out in outputs])
         self._notify(lambda obs: obs.on_step(report))
+
+    def _die(self, exc: DPGroupError) -> None:
+        """Answer everything in flight with 503 (the engine is gone, not the request's fault),
+        refuse new work, and let the server exit non-zero."""
+        logger.error("the engine cannot continue: %s", exc)
+        self.fatal = exc
+        with self._cond:
+            self._stopped = True
+        error = EngineNotRunning(str(exc))
+        if self._loop is not None:
+            try:          # the streams belong to the loop: fail them there
+                self._loop.call_soon_threadsafe(
+                    lambda: self._deliver([(request_id, error) for request_id in list(self._streams)]))
+            except RuntimeError:                              # the loop is closed already
+                pass
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _fail_in_flight(self, error: RequestFailed) -> None:
         """Abort (and free) every request in the engine: after a failed step its state is suspect.
@@ -322,12 +348,11 @@ class AsyncEngine:
         self._send([(request_id, error) for request_id in failed])
 
     def _publish_state(self) -> None:
+        load = self.engine.load()
         with self._cond:
-            self._engine_waiting = len(self.engine.scheduler.waiting)
+            self._engine_waiting = load.waiting
             waiting = self._waiting_locked()
-        blocks = self.engine.block_manager
-        state = EngineState(waiting, len(self.engine.scheduler.running), blocks.usage,
-                            blocks.num_free_blocks, blocks.num_blocks)
+        state = EngineState(waiting, load.running, load.kv_usage, load.free_blocks, load.num_blocks)
         self._notify(lambda obs: obs.on_state(state))
 
     def _notify(self, call: Callable[[EngineObserver], None]) -> None:

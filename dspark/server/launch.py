@@ -29,8 +29,13 @@ ENGINE_ARGS: list[tuple[str, dict]] = [
                                           "default: the shipped drafter for the embedded model")),
     ("--no-drafter", dict(action="store_true", help="decode plainly (no speculation)")),
     ("--graph", dict(default="auto", choices=["auto", "cuda", "compile", "eager"],
-                     help="how bucketed steps run: torch.compile per bucket or eager (auto: "
-                          "eager, measured as fast on CPU); CUDA graphs are not implemented yet")),
+                     help="how bucketed steps run: CUDA graphs, torch.compile per bucket or eager "
+                          "(auto: CUDA graphs on NVIDIA; on CPU whichever of compile and eager "
+                          "measured faster, measured once per model and cached)")),
+    ("--dp", dict(type=int, default=1, help="data-parallel ranks (engine replicas in lockstep); "
+                                            "spawned here, or the ranks torchrun started")),
+    ("--dp-timeout", dict(type=float, default=30.0, help="seconds a rank may stall before the "
+                                                         "group stops, naming it")),
     ("--max-graph-tokens", dict(type=int, default=512, help="largest graph bucket (tokens per step)")),
     ("--graph-fallback", dict(action="store_true", help="run a bucket whose capture fails eagerly "
                                                         "(warned and counted) instead of failing")),
@@ -81,18 +86,44 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
                         cost_table=getattr(args, "cost_table", None),
                         min_gain=getattr(args, "min_gain", 0.05),
                         confidence_lag=getattr(args, "confidence_lag", 2),
-                        probe_interval=getattr(args, "probe_interval", 16))
+                        probe_interval=getattr(args, "probe_interval", 16),
+                        data_parallel_size=getattr(args, "dp", 1),
+                        dp_timeout_s=getattr(args, "dp_timeout", 30.0))
 
 
-def run_serve(args: argparse.Namespace) -> None:
-    """`dspark serve`: load the engine first (errors surface before binding), then serve."""
+def run_serve(args: argparse.Namespace) -> int:
+    """`dspark serve`: load the engine first (errors surface before binding), then serve.
+
+    Under torchrun every process runs this; rank 0 serves HTTP, the others only step. The exit
+    status is non-zero when the engine died under the server (a data-parallel rank failed)."""
     import uvicorn
 
+    from dspark.distributed.torchrun import torchrun_rank
     from dspark.server.api_server import build_app
-    app = build_app(engine_config_from_args(args), served_model_name=args.served_model_name,
-                    max_queue=args.max_queue)
+    config = engine_config_from_args(args)
+    rank = torchrun_rank(config)
+    if rank is not None and rank.rank != 0:
+        return rank.serve_forever()
+    holder: dict = {}
+    engine = rank.start() if rank is not None else None
+    app = build_app(engine if engine is not None else config, served_model_name=args.served_model_name,
+                    max_queue=args.max_queue, on_fatal=lambda exc: _exit_server(holder))
     level = "info" if logging.getLogger().isEnabledFor(logging.INFO) else "warning"
-    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
+                                           timeout_graceful_shutdown=5))
+    holder["server"] = server
+    server.run()
+    fatal = app.state.server.async_engine.fatal
+    if fatal is not None:
+        logger.error("the server stopped because the engine failed: %s", fatal)
+        return 1
+    return 0
+
+
+def _exit_server(holder: dict) -> None:
+    server = holder.get("server")
+    if server is not None:
+        server.should_exit = True
 
 
 class ServerThread:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
-from dspark.server.async_engine import RequestFailed, RequestStream
+from dspark.server.async_engine import EngineNotRunning, RequestFailed, RequestStream
 from dspark.server.errors import APIError
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields,
                                     SpecStatsInfo, Usage)
@@ -213,6 +213,8 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
                 finals[index] = output
     except RequestFailed as exc:
         raise APIError(500, str(exc), code="engine_error") from exc
+    except EngineNotRunning as exc:           # the engine is gone (a data-parallel rank failed)
+        raise APIError(503, str(exc), code="engine_unavailable") from exc
     return [finals[i] for i in range(len(streams))]
 
 
@@ -228,8 +230,8 @@ def sse(payload: object) -> str:
     return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"   # type: ignore[attr-defined]
 
 
-def sse_error(message: str) -> str:
-    body = APIError(500, message, code="engine_error").body()
+def sse_error(message: str, status: int = 500, code: str = "engine_error") -> str:
+    body = APIError(status, message, code=code).body()
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -253,4 +255,6 @@ async def stream_sse(streams: list[RequestStream], stops: list[str], builder: Ch
             yield sse(builder.make_usage([finals[i] for i in sorted(finals)]))
     except RequestFailed as exc:
         yield sse_error(str(exc))
+    except EngineNotRunning as exc:
+        yield sse_error(str(exc), 503, "engine_unavailable")
     yield "data: [DONE]\n\n"

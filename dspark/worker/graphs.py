@@ -101,13 +101,18 @@ class StepGraphs:
     # ---- replay -------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids/positions [T] live rows -> (hidden [T, d], aux hidden [T, m*d] or None)."""
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], bucket: int | None = None,
+            use_runner: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids/positions [T] live rows -> (hidden [T, d], aux hidden [T, m*d] or None).
+
+        `bucket` forces the bucket (a data-parallel group's agreed key; it must hold T);
+        `use_runner=False` runs it on the padded eager path (a peer has no capture of it)."""
         t = input_ids.shape[0]
-        b = self.bucket_for(t)
+        b = self.bucket_for(t) if bucket is None else bucket
+        if bucket is not None and (bucket not in self.input_ids or bucket < t):
+            raise ValueError(f"a {t}-token step cannot run at bucket {bucket} (buckets: {self.buckets})")
         if b is None:
-            self.stats.eager_steps += 1
-            return self.model.forward_hidden(input_ids, positions, meta, kv_caches, self.aux_layer_ids)
+            return self.run_unpadded(input_ids, positions, meta, kv_caches)
         self.stats.replays[b] = self.stats.replays.get(b, 0) + 1
         ids, pos = self.input_ids[b], self.positions[b]
         ids[:t].copy_(input_ids)
@@ -115,12 +120,18 @@ class StepGraphs:
         pos[:t].copy_(positions)
         pos[t:].fill_(DUMMY_POSITION)
         meta = dataclasses.replace(meta, num_tokens=t)
-        runner = self.runners.get(b)
+        runner = self.runners.get(b) if use_runner else None
         if runner is None:                     # not captured (eager mode or a capture fallback)
             x, aux = self.model.forward_hidden(ids, pos, meta, kv_caches, self.aux_layer_ids)
         else:
             x, aux = runner(ids, pos, meta, kv_caches)
         return x[:t], None if aux is None else aux[:t]
+
+    def run_unpadded(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step above the largest bucket: eager at its own shape, counted."""
+        self.stats.eager_steps += 1
+        return self.model.forward_hidden(input_ids, positions, meta, kv_caches, self.aux_layer_ids)
 
 
 def dummy_metadata(block_size: int, device: torch.device) -> AttentionMetadata:

@@ -74,8 +74,11 @@ def _draft_fn(worker: Worker, num_requests: int, context_len: int):
     st = SamplingTensors.build([SamplingParams(temperature=0.0)] * num_requests,
                                [None] * num_requests, worker.config.vocab_size, dev)
 
-    def run():
-        propose(worker.drafter, worker.draft_kv, anchors, starts, tables, worker.block_size, st)
+    def run():          # at the request bucket the engine drafts at, when it has draft graphs
+        if worker.draft_graphs is not None:
+            worker.draft_graphs.run(worker.draft_kv, anchors, starts, tables, st)
+        else:
+            propose(worker.drafter, worker.draft_kv, anchors, starts, tables, worker.block_size, st)
     return run
 
 

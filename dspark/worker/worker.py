@@ -22,11 +22,12 @@ from dspark.spec.sts import survival as cumulative_survival
 from dspark.spec.types import DraftProposal
 from dspark.spec.verify import accept, accept_greedy
 from dspark.worker.draft_graphs import DraftGraphs, build_draft_graphs
-from dspark.worker.graphs import StepGraphs
+from dspark.worker.graphs import StepGraphs, dummy_metadata
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
 from dspark.worker.ragged import row_layout, trim_inputs, untrim_logits
 from dspark.worker.sampler import SamplingTensors, sample
+from dspark.worker.step_key import StepKey
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class WorkerBatch:
     generators: list[torch.Generator | None]
     spec: list[bool]                              # per sampling chunk: a speculative block?
     verify_budget: int | None = None              # drafts to verify in total (None: all of them)
+    request_ids: list[str] | None = None          # per sampling chunk (dummy rows are told apart)
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Worker:
         self.drafter = drafter
         self.sts_temperatures: torch.Tensor | None = None    # [γ] applied before allocation
         self.trim_fallbacks = 0                               # budgeted steps verified in full
+        self.dummy_steps = 0                                  # idle data-parallel steps run
         self.draft_kv = None
         self.draft_graphs: DraftGraphs | None = None          # None: the draft step runs unpadded
         if drafter is not None:
@@ -74,7 +77,8 @@ class Worker:
                 self.draft_graphs.capture(self.draft_kv)
 
     @torch.inference_mode()
-    def execute(self, batch: WorkerBatch) -> StepResult:
+    def execute(self, batch: WorkerBatch, key: StepKey | None = None) -> StepResult:
+        """Run one step; `key` (a data-parallel group's agreement) fixes its graph buckets."""
         inputs = build_inputs(batch.chunks, self.block_size, self.device, self.config.sliding_window)
         sampling = [c for c in batch.chunks if c.num_logits > 0]
         st = SamplingTensors.build(batch.params, batch.generators, self.config.vocab_size, self.device)
@@ -82,7 +86,8 @@ class Worker:
         proposal = lens = logits_keep = None
         num_logits = inputs.logits_indices.shape[0]
         if spec_idx:
-            proposal = self._draft(sampling, spec_idx, st)
+            ids = [batch.request_ids[i] for i in spec_idx] if batch.request_ids is not None else None
+            proposal = self._draft(sampling, spec_idx, st, ids, key)
             self._place_drafts(inputs, batch.chunks, spec_idx, proposal.tokens)
             caps = [len(sampling[i].token_ids) - 1 for i in spec_idx]
             lens = torch.tensor(caps, device=self.device)
@@ -90,7 +95,7 @@ class Worker:
                 lens = allocate(self._survival(proposal, lens), batch.verify_budget)
                 layout = row_layout(batch.chunks, _chunk_spec_flags(batch), self.device)
                 inputs, logits_keep = trim_inputs(inputs, layout, lens, sum(caps) - batch.verify_budget)
-        out = self.forward(inputs)
+        out = self.forward(inputs, key)
         if self.drafter is not None:
             append_context(self.drafter, self.draft_kv, out.aux_hidden, inputs.positions,
                            inputs.attn.write_rows, inputs.attn.write_slots)
@@ -101,14 +106,45 @@ class Worker:
     def aux_layer_ids(self) -> tuple[int, ...]:
         return self.drafter.config.target_layer_ids if self.drafter is not None else ()
 
-    def forward(self, inputs: StepInputs) -> ModelOutput:
-        """The target over a step's rows: at its graph bucket when there are graphs."""
+    def forward(self, inputs: StepInputs, key: StepKey | None = None) -> ModelOutput:
+        """The target over a step's rows: at its graph bucket when there are graphs (the agreed
+        one under data parallelism)."""
+        args = (inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
         if self.graphs is None:
-            x, aux = self.model.forward_hidden(inputs.input_ids, inputs.positions, inputs.attn,
-                                               self.kv_caches, self.aux_layer_ids)
+            x, aux = self.model.forward_hidden(*args, self.aux_layer_ids)
+        elif key is None:
+            x, aux = self.graphs.run(*args)
+        elif key.tokens is None:
+            x, aux = self.graphs.run_unpadded(*args)
         else:
-            x, aux = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+            x, aux = self.graphs.run(*args, bucket=key.tokens, use_runner=key.captured)
         return self.model.compute_logits(x, inputs.logits_indices, aux)
+
+    @torch.inference_mode()
+    def dummy_step(self, key: StepKey) -> None:
+        """An idle data-parallel rank's share of a step: the agreed key run on dummies alone
+        (no live row, no K/V write, outputs dropped), so its peers' graphs have a partner."""
+        if key.idle or self.graphs is None:
+            return
+        bucket = key.tokens if key.tokens is not None else self.graphs.buckets[-1]
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        if self.draft_graphs is not None and key.draft_reqs in self.draft_graphs.buffers:
+            self.draft_graphs.run(self.draft_kv, empty, empty, empty.view(0, 1), bucket=key.draft_reqs,
+                                  table_width=key.table_width)
+        self.graphs.run(empty, empty, dummy_metadata(self.block_size, self.device), self.kv_caches,
+                        bucket=bucket, use_runner=key.captured)
+        self.dummy_steps += 1
+
+    def step_shape(self, batch: WorkerBatch) -> tuple[int, int, int, int]:
+        """(requests, target rows after the verify budget, draft requests, widest block table)
+        of a batch, known on the host before it runs: what a rank reports for agreement."""
+        sampling = [c for c in batch.chunks if c.num_logits > 0]
+        caps = sum(len(sampling[i].token_ids) - 1 for i, s in enumerate(batch.spec) if s)
+        tokens = sum(len(c.token_ids) for c in batch.chunks)
+        if batch.verify_budget is not None and batch.verify_budget < caps:
+            tokens -= caps - batch.verify_budget
+        width = max(len(c.block_table) for c in batch.chunks)
+        return len(batch.chunks), tokens, sum(batch.spec), width
 
     def _can_trim(self, inputs: StepInputs) -> bool:
         """Rows that write no K/V (slot -1) would need a host-side row list: verify in full."""
@@ -132,9 +168,9 @@ class Worker:
         return survival.masked_fill(beyond, -1.0)
 
     def _draft(self, sampling: list[RequestChunk], spec_idx: list[int], st: SamplingTensors,
-               bucket: int | None = None, table_width: int | None = None) -> DraftProposal:
+               request_ids: list[str] | None = None, key: StepKey | None = None) -> DraftProposal:
         """The drafter over the speculative requests, at their request bucket when there are
-        draft graphs; `bucket`/`table_width` force the padded shape (a data-parallel key)."""
+        draft graphs; a data-parallel `key` forces the padded shape."""
         chunks = [sampling[i] for i in spec_idx]
         anchors = torch.tensor([c.token_ids[0] for c in chunks], device=self.device)
         starts = torch.tensor([c.start for c in chunks], device=self.device)
@@ -144,8 +180,11 @@ class Worker:
         if self.draft_graphs is None:
             return propose(self.drafter, self.draft_kv, anchors, starts, tables, self.block_size,
                            st.select(spec_idx))
+        bucket, width = None, None
+        if key is not None and key.draft_reqs in self.draft_graphs.buffers:   # else above every bucket
+            bucket, width = key.draft_reqs, key.table_width
         return self.draft_graphs.run(self.draft_kv, anchors, starts, tables, st.select(spec_idx),
-                                     bucket=bucket, table_width=table_width).proposal
+                                     request_ids, bucket=bucket, table_width=width).proposal
 
     def _place_drafts(self, inputs: StepInputs, chunks: list[RequestChunk], spec_idx: list[int],
                       drafts: torch.Tensor) -> None:

@@ -1,0 +1,88 @@
+"""`dspark serve --dp 2`: serves through two ranks; when a rank dies the server answers 503 and
+exits non-zero instead of hanging."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_processes(pid: int) -> list[int]:
+    """The server's spawned rank processes (not multiprocessing's resource tracker)."""
+    children = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    ranks = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                ranks.append(child)
+    return ranks
+
+
+@pytest.fixture
+def dp_server(target_dir, drafter_dir):
+    port = free_port()
+    cmd = [sys.executable, "-c", "from dspark.cli import main; main()", "serve", "--model", target_dir,
+           "--drafter", drafter_dir, "--dtype", "float32", "--graph", "eager", "--dp", "2",
+           "--dp-timeout", "4", "--threads", "1", "--port", str(port), "--max-model-len", "256"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1)
+            break
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"the server did not start:\n{proc.stdout.read()}")
+            time.sleep(0.2)
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_rank_death_answers_503_and_exits_nonzero(dp_server):
+    proc, url = dp_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    first = client.completions.create(model=client.models.list().data[0].id, prompt="w1 w2 w3",
+                                      max_tokens=8, extra_body={"ignore_eos": True})
+    assert first.usage.completion_tokens == 8
+    ranks = rank_processes(proc.pid)
+    assert len(ranks) == 1
+
+    result = {}
+
+    def long_request():
+        try:
+            client.completions.create(model=first.model, prompt="w4 w5", max_tokens=250,
+                                      extra_body={"ignore_eos": True})
+        except openai.APIStatusError as exc:
+            result["status"], result["message"] = exc.status_code, str(exc)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(1.0)
+    os.kill(ranks[0], 9)
+    thread.join(30)
+    assert result.get("status") == 503, result
+    assert "rank 1" in result["message"]
+    assert proc.wait(timeout=30) == 1                       # the server exits non-zero
+    log = proc.stdout.read()
+    assert "data-parallel rank 1 died" in log
