@@ -7,6 +7,7 @@ small GEMVs and every launch counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def layer_transition(layer: DecoderLayer, next_layer: DecoderLayer | None, x: torch.Tensor,
+                     attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Everything between two attention calls: layer's output [T, hidden] from its residual and
+    attention output [T, H*D], then next_layer's q, k, v (None after the last layer). The layers
+    are arguments, not indices, so one compiled graph serves every layer of a bucket."""
+    x = layer.post_attention(x, attn)
+    if next_layer is None:
+        return x, None, None, None
+    return (x, *next_layer.pre_attention(x, cos, sin))
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
@@ -133,34 +145,46 @@ class CausalLM(nn.Module):
         a CUDA-graph bucket captures each piece and calls `attend` eagerly in between
         (graph_backends.py); this loop is that replay loop with the pieces run directly.
         """
-        s = self.first_piece(input_ids, positions, aux_layer_ids)
+        return self.run_stack(input_ids, positions, meta, kv_caches, aux_layer_ids)
+
+    def run_stack(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], aux_layer_ids: tuple[int, ...] = (),
+                  entry: Callable | None = None, transition: Callable | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stack as pieces with eager attention between them; `entry` (`embed_and_enter`) and
+        `transition` (`layer_transition`) may be swapped for compiled versions of themselves."""
+        entry = entry or self.embed_and_enter
+        transition = transition or layer_transition
+        x, cos, sin, q, k, v = entry(input_ids, positions)
+        aux = {-1: x} if -1 in aux_layer_ids else {}
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            attn = attend(s.q, s.k, s.v, kv_caches[i], meta, layer.self_attn.scale)   # [T, H*D]
-            s = self.layer_piece(i, s, attn, aux_layer_ids)
-        return s.x, self.aux_hidden(s, aux_layer_ids)
+            attn = attend(q, k, v, kv_caches[i], meta, layer.self_attn.scale)   # [T, H*D]
+            x, q, k, v = transition(layer, self.layers[i + 1] if i < last else None, x, attn, cos, sin)
+            if i in aux_layer_ids:
+                aux[i] = x
+        return x, torch.cat([aux[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
+
+    def embed_and_enter(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Piece 0: embeddings [T, hidden], the step's rotary tables and layer 0's q, k, v."""
+        x = self.embed_tokens(input_ids)                          # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        return (x, cos, sin, *self.layers[0].pre_attention(x, cos, sin))
 
     def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     aux_layer_ids: tuple[int, ...] = ()) -> StackState:
-        """Piece 0: embeddings, the step's rotary tables and layer 0's q, k, v."""
-        x = self.embed_tokens(input_ids)                          # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        aux = {-1: x} if -1 in aux_layer_ids else {}
-        return self._enter_layer(0, x, cos, sin, aux)
+        """Piece 0 as the state a captured graph keeps (CUDA graphs)."""
+        x, cos, sin, q, k, v = self.embed_and_enter(input_ids, positions)
+        return StackState(x, cos, sin, q, k, v, {-1: x} if -1 in aux_layer_ids else {})
 
     def layer_piece(self, i: int, s: StackState, attn: torch.Tensor,
                     aux_layer_ids: tuple[int, ...] = ()) -> StackState:
-        """Piece i+1: layer i after its attention (o_proj, residual, MLP) fused with the next
+        """Piece i+1 as a captured graph's state: layer i after its attention, fused with the next
         layer's pre-attention; after the last layer only the residual stream remains."""
-        x = self.layers[i].post_attention(s.x, attn)
+        nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+        x, q, k, v = layer_transition(self.layers[i], nxt, s.x, attn, s.cos, s.sin)
         aux = {**s.aux, i: x} if i in aux_layer_ids else s.aux
-        return self._enter_layer(i + 1, x, s.cos, s.sin, aux)
-
-    def _enter_layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     aux: dict[int, torch.Tensor]) -> StackState:
-        if i == len(self.layers):
-            return StackState(x, cos, sin, None, None, None, aux)
-        q, k, v = self.layers[i].pre_attention(x, cos, sin)
-        return StackState(x, cos, sin, q, k, v, aux)
+        return StackState(x, s.cos, s.sin, q, k, v, aux)
 
     @staticmethod
     def aux_hidden(s: StackState, aux_layer_ids: tuple[int, ...]) -> torch.Tensor | None:

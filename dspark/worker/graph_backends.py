@@ -1,7 +1,8 @@
 """How each graph backend turns a bucket into something runnable (see graphs.py).
 
-`compile` is one torch.compile of the decoder stack, specialised per bucket shape; attention is a
-graph break. `cuda` captures the same stack piecewise: it is cut at its attention calls into
+`compile` compiles the stack's two kinds of piece (embedding + first q/k/v, and the transition
+between two attention calls, layers passed as arguments) per bucket shape; attention runs
+eagerly between them. `cuda` captures the same stack piecewise: it is cut at its attention calls into
 `CausalLM.first_piece` and one `CausalLM.layer_piece` per layer, and each piece becomes one
 `torch.cuda.CUDAGraph` over static tensors. The bucket's persistent `input_ids`/`positions` feed
 piece 0, piece j's outputs are piece j+1's inputs in place, and one static [B, H*D] buffer carries
@@ -21,7 +22,7 @@ import torch
 import torch._dynamo
 
 from dspark.models.layers.attention import AttentionMetadata, attend
-from dspark.models.llama import CausalLM, StackState
+from dspark.models.llama import CausalLM, StackState, layer_transition
 
 logger = logging.getLogger(__name__)
 
@@ -43,21 +44,21 @@ def build_runner(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetada
 
 
 def _compiled(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetadata) -> Runner:
-    """One torch.compile of the decoder stack; dynamo specialises it per bucket shape (the
-    recompile limit is raised to the bucket count). Freezing lets inductor prepack the weights
-    for oneDNN, which is where the CPU gain comes from; the weights must not change afterwards."""
+    """The stack's two kinds of piece compiled once each (`embed_and_enter`, `layer_transition`,
+    whose layers are arguments: one graph serves all layers), specialised per bucket shape, with
+    eager attention between them. `fullgraph` and a recompile limit of the bucket count make a
+    guard failing at replay an error, not a silent recompile or eager run; isolated, so other
+    engines in the process neither share nor use up these entries."""
     if graphs.compiled is None:
-        dynamo = torch._dynamo.config
-        dynamo.cache_size_limit = max(dynamo.cache_size_limit, 4 * len(graphs.buckets))
-        dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit,
-                                                  16 * dynamo.cache_size_limit)
-        options = {"freezing": True} if graphs.device.type == "cpu" else {}
-        graphs.compiled = torch.compile(graphs.model.forward_hidden, dynamic=False, options=options)
-    fn = graphs.compiled
-    aux = graphs.aux_layer_ids
+        n = len(graphs.buckets)
+        compile_ = functools.partial(torch.compile, dynamic=False, fullgraph=True, isolate_recompiles=True)
+        graphs.compiled = (compile_(graphs.model.embed_and_enter, recompile_limit=n),
+                           compile_(layer_transition, recompile_limit=2 * n))   # last layer: no next
+    entry, transition = graphs.compiled
+    model, aux = graphs.model, graphs.aux_layer_ids
 
     def run(ids, positions, step_meta, caches):
-        return fn(ids, positions, step_meta, caches, aux)
+        return model.run_stack(ids, positions, step_meta, caches, aux, entry, transition)
 
     with torch.inference_mode():
         run(graphs.input_ids[bucket], graphs.positions[bucket], meta, kv_caches)    # compiles
