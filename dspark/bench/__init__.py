@@ -22,6 +22,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default="bench_sweep.png", help="sweep: where to write the plot")
     p.add_argument("--graph-backends", default="eager,compile",
                    help="graphs: comma-separated backends to compare (eager, compile, cuda)")
+    p.add_argument("--graph-levels", default=None,
+                   help="graphs: comma-separated concurrencies (default: 1 and --batch), "
+                        "e.g. 1,4,16,64 for the GPU sweep with --graph-backends eager,cuda")
     from dspark.bench.serve import add_serve_bench_args
     add_serve_bench_args(p)
     from dspark.bench.dp import add_dp_bench_args

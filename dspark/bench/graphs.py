@@ -32,9 +32,10 @@ def _run(llm, prompts, params) -> tuple[float, float]:
 
 def run_graphs_bench(args) -> dict:
     from dspark import LLM, SamplingParams
-    batch = args.batch
+    levels = sorted({int(c) for c in args.graph_levels.split(",")}) if args.graph_levels else [1, args.batch]
+    batch = max(levels)
     common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(batch, 1),
-                  max_graph_tokens=args.max_graph_tokens)
+                  max_graph_tokens=args.max_graph_tokens, device=getattr(args, "device", "cpu"))
     engines = {}
     for backend in _backends(args):
         start = time.perf_counter()
@@ -44,7 +45,7 @@ def run_graphs_bench(args) -> dict:
         print(f"{backend}: engines ready in {time.perf_counter() - start:.0f} s (capture included)")
     tok = next(iter(engines.values())).tokenizer
     prompts = [tok.encode(p) for p in bench_prompts(batch)]
-    cases = {1: prompts[:1], batch: prompts}
+    cases = {n: prompts[:n] for n in levels}
     params = SamplingParams(temperature=0, max_tokens=args.batch1_tokens, ignore_eos=True)
     for llm in engines.values():
         for ps in cases.values():

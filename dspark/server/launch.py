@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 ENGINE_ARGS: list[tuple[str, dict]] = [
     ("--model", dict(default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")),
     ("--dtype", dict(default="bfloat16", choices=["bfloat16", "float32", "float16"])),
+    ("--device", dict(default="cpu", help="cpu, cuda or cuda:N")),
     ("--max-model-len", dict(type=int, default=None)),
     ("--max-num-seqs", dict(type=int, default=64)),
     ("--max-num-batched-tokens", dict(type=int, default=2048)),
@@ -73,6 +74,7 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
     from dspark.llm import build_config
     drafter = None if getattr(args, "no_drafter", False) else getattr(args, "drafter", "auto")
     return build_config(model=getattr(args, "model", None), dtype=getattr(args, "dtype", "bfloat16"),
+                        device=getattr(args, "device", "cpu"),
                         drafter=drafter, sts=getattr(args, "sts", None),
                         max_model_len=getattr(args, "max_model_len", None),
                         max_num_seqs=getattr(args, "max_num_seqs", 64),
