@@ -135,6 +135,20 @@ class DPEngine:
                 logger.warning("the group did not stop cleanly; terminating its processes")
         _reap(self.processes, timeout_s)
 
+    @property
+    def step_limit_s(self) -> float:
+        """Rank 0's own step, peers' waits included, ends within two group timeouts or it hangs
+        in rank 0 itself, where no collective timeout reaches (the server's watchdog asks)."""
+        return 2 * self.group.timeout.total_seconds() + 5.0
+
+    def stalled(self, age_s: float) -> DPGroupError:
+        """Rank 0 hangs in its own step: stop the other ranks; the error names rank 0."""
+        self.failure = GroupFailure(0, f"stalled: its own step has run {age_s:.1f} s, past "
+                                       f"{self.step_limit_s:g} s")
+        logger.error("%s; stopping the group", self.failure)
+        _reap(self.processes, 0.0)
+        return DPGroupError(self.failure)
+
     def _check_running(self) -> None:
         if self.failure is not None:
             raise DPGroupError(self.failure)

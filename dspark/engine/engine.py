@@ -226,6 +226,13 @@ class Engine:
     def close(self) -> None:
         """Nothing to release for one engine (a data-parallel group stops its ranks here)."""
 
+    # a step may legitimately take long (a long prefill on a CPU): no limit for one engine
+    step_limit_s: float | None = None
+
+    def stalled(self, age_s: float) -> BaseException:
+        """Give up on a step that has run `age_s` seconds; the error to report for it."""
+        return RuntimeError(f"the engine step has run {age_s:.1f} s")
+
     def load(self) -> EngineLoad:
         blocks = self.block_manager
         return EngineLoad(len(self.scheduler.waiting), len(self.scheduler.running),

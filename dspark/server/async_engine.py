@@ -28,6 +28,7 @@ from dspark.distributed.failure import DPGroupError
 from dspark.engine.engine import Engine
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
+from dspark.server.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class AsyncEngine:
         self.engine = engine
         self.on_fatal = on_fatal             # the server's exit, when the engine cannot go on
         self.fatal: BaseException | None = None
+        self._step_started: float | None = None
+        self._watchdog: StepWatchdog | None = None
         self.max_queue = max_queue
         self.observers = list(observers)
         self._cond = threading.Condition()
@@ -159,13 +162,21 @@ class AsyncEngine:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self._thread.start()
+        limit = self.engine.step_limit_s
+        if limit is not None:
+            self._watchdog = StepWatchdog(limit, lambda: self._step_started, self._stalled).start()
+
+    def _stalled(self, age_s: float) -> None:
+        self._die(self.engine.stalled(age_s))
 
     async def stop(self) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self._thread is not None:        # a stalled engine thread is left behind (daemon)
+            await asyncio.to_thread(self._thread.join, None if self.fatal is None else 5.0)
         for stream in list(self._streams.values()):
             if not stream.accepted.done():
                 stream.accepted.set_exception(EngineNotRunning("the server is shutting down"))
@@ -174,7 +185,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.fatal is None
 
     @property
     def num_waiting(self) -> int:
@@ -303,7 +314,7 @@ class AsyncEngine:
     def _step(self) -> None:
         before = dataclasses.replace(self.engine.spec_stats,
                                      accepted_per_position=list(self.engine.spec_stats.accepted_per_position))
-        start = time.perf_counter()
+        start = self._step_started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except DPGroupError:
@@ -312,13 +323,17 @@ class AsyncEngine:
             logger.exception("engine step failed; failing the requests in the engine")
             self._fail_in_flight(RequestFailed(f"the engine failed while running this request: {exc}"))
             return
+        finally:
+            self._step_started = None
         report = StepReport(time.perf_counter() - start, outputs, _spec_delta(before, self.engine.spec_stats))
         self._send([(out.request_id, out) for out in outputs])
         self._notify(lambda obs: obs.on_step(report))
 
-    def _die(self, exc: DPGroupError) -> None:
+    def _die(self, exc: BaseException) -> None:
         """Answer everything in flight with 503 (the engine is gone, not the request's fault),
         refuse new work, and let the server exit non-zero."""
+        if self.fatal is not None:                            # the watchdog came first
+            return
         logger.error("the engine cannot continue: %s", exc)
         self.fatal = exc
         with self._cond:

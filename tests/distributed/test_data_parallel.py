@@ -138,3 +138,19 @@ def test_compiled_buckets_equal_one_engine(models, reference):
     finally:
         llm.close()
     assert out == reference
+
+
+def test_confidence_budgets_planned_per_rank(models, reference):
+    """Each rank plans its own verify budget (cost table measured at start-up); the agreed token
+    bucket holds every rank's trimmed step, and outputs stay exact."""
+    prompts, params = workload(12)
+    llm = LLM(**engine_kwargs(models, data_parallel_size=2, spec_schedule="confidence",
+                              cost_table="auto", max_num_seqs=8))
+    try:
+        out = [o.token_ids for o in llm.generate(prompts, params)]
+        assert_same_key_every_step(llm.engine)
+        stats = llm.engine.spec_stats
+        assert stats.draft_rounds > 0 and stats.verified_tokens <= stats.drafted_tokens
+    finally:
+        llm.close()
+    assert out == reference

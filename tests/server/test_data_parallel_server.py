@@ -86,3 +86,47 @@ def test_rank_death_answers_503_and_exits_nonzero(dp_server):
     assert proc.wait(timeout=30) == 1                       # the server exits non-zero
     log = proc.stdout.read()
     assert "data-parallel rank 1 died" in log
+
+
+def stall_rank0_engine(config, rank):
+    """Rank 0's engine hangs in its own compute from its third step on (nothing times out there)."""
+    from dspark.engine.engine import Engine
+    engine = Engine(config)
+    if rank == 0:
+        execute, count = engine.worker.execute, [0]
+
+        def hang(*args, **kwargs):
+            count[0] += 1
+            if count[0] > 2:
+                time.sleep(3600)
+            return execute(*args, **kwargs)
+        engine.worker.execute = hang
+    return engine
+
+
+def test_rank0_stalling_in_its_own_step_answers_503(target_dir, drafter_dir):
+    from dspark.distributed.group import start_group
+    from dspark.llm import build_config
+    from dspark.server import ServerThread, build_app
+    config = build_config(model=target_dir, drafter=drafter_dir, dtype="float32", graph="eager",
+                          max_model_len=256, data_parallel_size=2, dp_timeout_s=2.0)
+    engine = start_group(config, stall_rank0_engine)
+    fatal = []
+    server = ServerThread(build_app(engine, on_fatal=fatal.append)).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model=model, prompt="w1 w2",
+                                      max_tokens=50, extra_body={"ignore_eos": True})
+        assert err.value.status_code == 503
+        assert "rank 0 stalled" in str(err.value)
+        assert time.monotonic() - t0 < engine.step_limit_s + 5
+        assert fatal and "rank 0 stalled" in str(fatal[0])
+        assert not engine.processes[1].is_alive()          # the follower was stopped
+        with pytest.raises(openai.APIStatusError) as again:  # and nothing new is accepted
+            client.completions.create(model=model, prompt="w1", max_tokens=2)
+        assert again.value.status_code == 503
+    finally:
+        server.stop(timeout=10)
