@@ -37,6 +37,22 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     undrafted_steps: int = 0       # decode steps the confidence planner ran without drafting
 
+    @classmethod
+    def total(cls, stats) -> "SpecStats":
+        """The counters of several requests or ranks added up (per position too)."""
+        stats = list(stats)
+        width = max((len(s.accepted_per_position) for s in stats), default=0)
+        out = cls(accepted_per_position=[0] * width)
+        for s in stats:
+            out.draft_rounds += s.draft_rounds
+            out.drafted_tokens += s.drafted_tokens
+            out.verified_tokens += s.verified_tokens
+            out.accepted_tokens += s.accepted_tokens
+            out.undrafted_steps += s.undrafted_steps
+            for i, a in enumerate(s.accepted_per_position):
+                out.accepted_per_position[i] += a
+        return out
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted over verified drafts (trimmed drafts are not rejections)."""

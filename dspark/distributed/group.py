@@ -69,7 +69,7 @@ class DPEngine:
 
     @property
     def spec_stats(self) -> SpecStats:
-        return _sum_stats(self._spec)
+        return SpecStats.total(self._spec)
 
     def load(self) -> EngineLoad:
         return self._load
@@ -247,17 +247,3 @@ def _reap(processes: dict, timeout_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join(5.0)
-
-
-def _sum_stats(stats: list[SpecStats]) -> SpecStats:
-    width = max((len(s.accepted_per_position) for s in stats), default=0)
-    total = SpecStats(accepted_per_position=[0] * width)
-    for s in stats:
-        total.draft_rounds += s.draft_rounds
-        total.drafted_tokens += s.drafted_tokens
-        total.verified_tokens += s.verified_tokens
-        total.accepted_tokens += s.accepted_tokens
-        total.undrafted_steps += s.undrafted_steps
-        for i, a in enumerate(s.accepted_per_position):
-            total.accepted_per_position[i] += a
-    return total

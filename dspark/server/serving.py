@@ -112,18 +112,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer | None) -> list
 # ---- outputs ----------------------------------------------------------------------------------
 
 def spec_info(stats: list[SpecStats]) -> SpecStatsInfo:
-    total = SpecStats()
-    for s in stats:
-        total.draft_rounds += s.draft_rounds
-        total.drafted_tokens += s.drafted_tokens
-        total.verified_tokens += s.verified_tokens
-        total.accepted_tokens += s.accepted_tokens
-        total.undrafted_steps += s.undrafted_steps
-        width = max(len(total.accepted_per_position), len(s.accepted_per_position))
-        total.accepted_per_position = [
-            (total.accepted_per_position[i] if i < len(total.accepted_per_position) else 0)
-            + (s.accepted_per_position[i] if i < len(s.accepted_per_position) else 0)
-            for i in range(width)]
+    total = SpecStats.total(stats)
     return SpecStatsInfo(draft_rounds=total.draft_rounds, drafted_tokens=total.drafted_tokens,
                          verified_tokens=total.verified_tokens, accepted_tokens=total.accepted_tokens,
                          accepted_per_position=total.accepted_per_position,

@@ -37,7 +37,7 @@ import torch._dynamo
 from dspark.models.drafter import Drafter
 from dspark.spec.draft import BlockPass, KVCaches, block_pass, propose
 from dspark.spec.types import DraftProposal
-from dspark.worker.graphs import DUMMY_TOKEN_ID, StepGraphs, token_buckets
+from dspark.worker.graphs import DUMMY_TOKEN_ID, StepGraphs, capture_largest_first, token_buckets
 from dspark.worker.sampler import SamplingTensors
 
 logger = logging.getLogger(__name__)
@@ -115,17 +115,9 @@ class DraftGraphs:
     @torch.inference_mode()
     def capture(self, kv: KVCaches) -> None:
         """Build every bucket's runnable, largest first, by replaying it on dummies alone."""
-        for b in sorted(self.buckets, reverse=True):
-            try:
-                self.runners[b] = self._build(b, kv)
-            except Exception as exc:             # noqa: BLE001 (any backend failure is reported)
-                if not self.fallback_to_eager:
-                    raise RuntimeError(f"draft graph capture ({self.mode}) failed for the {b}-request "
-                                       f"bucket: {exc}") from exc
-                logger.warning("draft graph capture (%s) failed for the %d-request bucket, running it "
-                               "eagerly (counted in capture_fallbacks): %s", self.mode, b, exc)
-                self.stats.capture_fallbacks += 1
-                self.runners[b] = None
+        self.stats.capture_fallbacks += capture_largest_first(
+            self.buckets, lambda b: self._build(b, kv), self.runners, self.fallback_to_eager,
+            f"draft graph capture ({self.mode})", "request")
 
     def _build(self, bucket: int, kv: KVCaches) -> BlockPass | None:
         if self.mode != "compile":

@@ -85,18 +85,9 @@ class StepGraphs:
     def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
         """Build every bucket's runnable, largest first, by running it on all-dummy input."""
         from dspark.worker.graph_backends import build_runner
-        for b in sorted(self.buckets, reverse=True):
-            meta = dummy_metadata(block_size, self.device)
-            try:
-                self.runners[b] = build_runner(self, b, kv_caches, meta)
-            except Exception as exc:             # noqa: BLE001 (any backend failure is reported)
-                if not self.fallback_to_eager:
-                    raise RuntimeError(f"graph capture ({self.mode}) failed for the {b}-token bucket: "
-                                       f"{exc}") from exc
-                logger.warning("graph capture (%s) failed for the %d-token bucket, running it eagerly "
-                               "(counted in capture_fallbacks): %s", self.mode, b, exc)
-                self.stats.capture_fallbacks += 1
-                self.runners[b] = None
+        self.stats.capture_fallbacks += capture_largest_first(
+            self.buckets, lambda b: build_runner(self, b, kv_caches, dummy_metadata(block_size, self.device)),
+            self.runners, self.fallback_to_eager, f"graph capture ({self.mode})", "token")
 
     # ---- replay -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -132,6 +123,25 @@ class StepGraphs:
         """A step above the largest bucket: eager at its own shape, counted."""
         self.stats.eager_steps += 1
         return self.model.forward_hidden(input_ids, positions, meta, kv_caches, self.aux_layer_ids)
+
+
+def capture_largest_first(buckets: list[int], build, runners: dict, fallback_to_eager: bool,
+                          what: str, unit: str) -> int:
+    """runners[b] = build(b) for every bucket, largest first (smaller ones reuse its memory). A
+    failure is a start-up error naming the bucket, or with `fallback_to_eager` a None runner
+    (eager), warned; -> the number of such fallbacks."""
+    fallbacks = 0
+    for b in sorted(buckets, reverse=True):
+        try:
+            runners[b] = build(b)
+        except Exception as exc:             # noqa: BLE001 (any backend failure is reported)
+            if not fallback_to_eager:
+                raise RuntimeError(f"{what} failed for the {b}-{unit} bucket: {exc}") from exc
+            logger.warning("%s failed for the %d-%s bucket, running it eagerly (counted in "
+                           "capture_fallbacks): %s", what, b, unit, exc)
+            fallbacks += 1
+            runners[b] = None
+    return fallbacks
 
 
 def dummy_metadata(block_size: int, device: torch.device) -> AttentionMetadata:
