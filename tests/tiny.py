@@ -111,3 +111,13 @@ def run_staggered(llm, prompts, params, seed: int = 1) -> list[list[int]]:
             if out.finished:
                 done[ids[out.request_id]] = out.token_ids
     return [done[i] for i in range(len(prompts))]
+
+
+def greedy_workload(n: int, vocab: int, seed: int = 0, max_out: int = 40):
+    """n random token-id prompts (2-29 tokens) with greedy params of 1..max_out-1 tokens."""
+    from dspark import SamplingParams
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab - 1) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, max_out), ignore_eos=True)
+              for _ in range(n)]
+    return prompts, params

@@ -1,15 +1,14 @@
 """Two CPU ranks over gloo: outputs equal one engine's, and both ranks run the same key every step."""
 
 import functools
-import random
 
 import pytest
 
-from dspark import LLM, SamplingParams
+from dspark import LLM
 from dspark.distributed.group import start_group
 from dspark.llm import build_config
 from dp_helpers import engine_with_blocks
-from tiny import save_random_drafter, save_tiny
+from tiny import greedy_workload, save_random_drafter, save_tiny
 
 VOCAB = 32
 PER_TOKEN = 2 * (4 + 1) * 2 * 16 * 4       # K+V of 4 target + 1 drafter layers, fp32
@@ -31,11 +30,7 @@ def engine_kwargs(models, **kw):
 
 
 def workload(n, seed=0, max_out=40):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, VOCAB - 1) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, max_out), ignore_eos=True)
-              for _ in range(n)]
-    return prompts, params
+    return greedy_workload(n, VOCAB, seed, max_out)
 
 
 @pytest.fixture(scope="module")

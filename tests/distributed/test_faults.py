@@ -21,13 +21,22 @@ def start(models, fault=None, after=2):  # noqa: F811
     return start_group(config, factory) if factory else start_group(config)
 
 
-def decode_until_failure(engine, limit_s=60.0):
-    """Two long requests (one per rank), stepped until the group fails; returns (error, seconds
-    from the last good step to the error)."""
+def add_long_requests(engine):
+    """Two long requests, one per rank."""
     for i in range(2):
         engine.add_request([5, 6, 7, 8, 9 + i], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+
+
+def decode_until_failure(engine, limit_s=60.0, kill_after: int | None = None):
+    """Two long requests stepped until the group fails (rank 1's process killed after
+    `kill_after` steps, if given); returns (error, seconds from the last good step to it)."""
+    add_long_requests(engine)
+    steps = 0
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
+        if steps == kill_after:
+            engine.processes[1].kill()
+        steps += 1
         last_good = time.monotonic()
         try:
             engine.step()
@@ -43,44 +52,22 @@ def test_rank_raising_during_capture(models):  # noqa: F811
     assert time.monotonic() - t0 < 60
 
 
-def test_rank_raising_mid_decode(models):  # noqa: F811
-    engine = start(models, "raise")
+@pytest.mark.parametrize("fault,kill_after,message,min_s,max_s", [
+    ("raise", None, "rank 1 raised: RuntimeError: injected step failure", 0.0, TIMEOUT + 2),
+    (None, 3, "rank 1 died (killed by SIGKILL)", 0.0, TIMEOUT + 2),
+    ("stall", None, "rank 1 stalled", TIMEOUT - 0.5, TIMEOUT + 3),     # found by the timeout
+])
+def test_a_failing_rank_stops_the_group_named(models, fault, kill_after, message, min_s, max_s):  # noqa: F811
+    engine = start(models, fault)
     try:
-        exc, seconds = decode_until_failure(engine)
+        exc, seconds = decode_until_failure(engine, kill_after=kill_after)
     finally:
         engine.close(timeout_s=5)
-    assert "rank 1 raised: RuntimeError: injected step failure" in str(exc)
-    assert seconds < TIMEOUT + 2
-    with pytest.raises(DPGroupError):                      # a stopped group refuses new work
+    assert message in str(exc)
+    assert min_s < seconds < max_s
+    assert not engine.processes[1].is_alive()              # every rank is stopped
+    with pytest.raises(DPGroupError):                      # and the group refuses new work
         engine.add_request([5, 6], SamplingParams(max_tokens=2))
-
-
-def test_rank_killed_mid_decode(models):  # noqa: F811
-    engine = start(models)
-    try:
-        for i in range(2):
-            engine.add_request([5, 6, 7, 8, 9 + i], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-        for _ in range(3):
-            engine.step()
-        engine.processes[1].kill()
-        t0 = time.monotonic()
-        with pytest.raises(DPGroupError, match=r"rank 1 died \(killed by SIGKILL\)"):
-            for _ in range(200):
-                engine.step()
-        assert time.monotonic() - t0 < TIMEOUT + 2
-    finally:
-        engine.close(timeout_s=5)
-
-
-def test_rank_stalling(models):  # noqa: F811
-    engine = start(models, "stall")
-    try:
-        exc, seconds = decode_until_failure(engine)
-    finally:
-        engine.close(timeout_s=5)
-    assert "rank 1 stalled" in str(exc)
-    assert TIMEOUT - 0.5 < seconds < TIMEOUT + 3
-    assert not engine.processes[1].is_alive()              # the stalled rank was stopped too
 
 
 def test_an_idle_group_outlives_the_step_timeout(models):  # noqa: F811

@@ -1,13 +1,12 @@
 """Invariant 1 and 2: speculative output is exactly the target's (greedy) or its distribution."""
 
 import math
-import random
 from collections import Counter
 
 import pytest
 
 from dspark import LLM, SamplingParams
-from tiny import run_staggered, save_random_drafter, save_tiny
+from tiny import greedy_workload, run_staggered, save_random_drafter, save_tiny
 
 VOCAB = 32
 
@@ -34,11 +33,7 @@ def make_llm(target_dir, drafter_dir=None, kv_tokens=4096, max_model_len=256, gr
 
 
 def workload(n, seed=0, max_out=40):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, VOCAB - 1) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, max_out), ignore_eos=True)
-              for _ in range(n)]
-    return prompts, params
+    return greedy_workload(n, VOCAB, seed, max_out)
 
 
 @pytest.fixture(scope="module")
