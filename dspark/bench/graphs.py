@@ -60,7 +60,7 @@ def run_graphs_bench(args) -> dict:
 
 
 def _report(args, engines, med, cases) -> dict:
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(device=getattr(args, "device", "cpu"))
     wbytes = weight_bytes(next(iter(engines.values())).engine.worker.model)
     roofline_ms = wbytes / bandwidth * 1e3
     eager = {k[:1] + k[2:]: v for k, v in med.items() if k[1] == "eager"}

@@ -8,14 +8,18 @@ import time
 import torch
 
 
-def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
-    """Bytes/s of a streaming fp32 sum over a buffer far larger than the caches (median)."""
-    x = torch.ones(megabytes * 2**20 // 4)
+def read_bandwidth(megabytes: int = 256, repeats: int = 7, device: str = "cpu") -> float:
+    """Bytes/s of a streaming fp32 sum over a buffer far larger than the caches (median), on the
+    device the weights live on."""
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     x.sum()
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         x.sum()
+        sync()
         times.append(time.perf_counter() - start)
     return x.numel() * 4 / statistics.median(times)
 
