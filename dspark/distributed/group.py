@@ -9,6 +9,7 @@ be by one engine.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -164,6 +165,7 @@ class DPEngine:
 
 def start_group(config: EngineConfig, engine_factory: EngineFactory = default_engine) -> DPEngine:
     """Spawn ranks 1..N-1 here, become rank 0, and wait until every rank has captured."""
+    config = split_threads(config, config.parallel.data_parallel_size)
     par = config.parallel
     address = GroupAddress(par.dp_host, par.dp_port, par.data_parallel_size)
     store, address.port = open_store(address, 0, par.dp_startup_timeout_s)
@@ -178,6 +180,16 @@ def start_group(config: EngineConfig, engine_factory: EngineFactory = default_en
     except BaseException:
         _reap(processes, 0.0)
         raise
+
+
+def split_threads(config: EngineConfig, local_ranks: int) -> EngineConfig:
+    """Ranks on one CPU share its cores: without --threads each gets cores / local ranks, not
+    torch's default of all of them (which oversubscribes the machine N times)."""
+    if config.num_threads is not None or config.device != "cpu" or local_ranks <= 1:
+        return config
+    threads = max(1, (os.cpu_count() or 1) // local_ranks)
+    logger.info("%d data-parallel ranks on this CPU: %d threads each", local_ranks, threads)
+    return dataclasses.replace(config, num_threads=threads)
 
 
 def lead_group(config: EngineConfig, store, processes: dict,

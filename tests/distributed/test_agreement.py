@@ -86,3 +86,17 @@ def test_router_least_loaded():
         router.assign("r5")
     assert router.release("unknown") is None
     assert router.in_flight == 4
+
+
+def test_ranks_on_one_cpu_split_its_cores():
+    import dataclasses
+    import os
+
+    from dspark.config import EngineConfig
+    from dspark.distributed.group import split_threads
+    config = EngineConfig()
+    cores = os.cpu_count()
+    assert split_threads(config, 2).num_threads == max(1, cores // 2)
+    assert split_threads(config, 1).num_threads is None                    # one rank: torch decides
+    explicit = dataclasses.replace(config, num_threads=3)
+    assert split_threads(explicit, 2).num_threads == 3                     # --threads wins
