@@ -1,8 +1,8 @@
 """`--graph auto`: CUDA graphs on NVIDIA; on a CPU, whichever of compile and eager is faster here.
 
 Which backend wins on a CPU depends on the model, the dtype, the thread count and the torch build
-(README, Graph buckets: compiled SmolLM2 was 1.04x eager for one request and 0.88x for DSpark
-at 16), so it is measured rather than assumed: the 1-token bucket, eager and compiled, median of
+(README, Graph buckets: compiled SmolLM2 measured 1.00-1.09x eager for plain decoding and
+0.92-1.21x for DSpark), so it is measured rather than assumed: the 1-token bucket, eager and compiled, median of
 a few all-dummy replays. An all-dummy step skips attention, which is eager under both backends
 anyway, so the timing is the part the backends differ in. Compiling every bucket costs tens of
 seconds at each start, so compile must win by `min_gain`. The verdict is kept in a small JSON
