@@ -34,6 +34,14 @@ def rank_processes(pid: int) -> list[int]:
     return ranks
 
 
+def running_requests(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("dspark_num_requests_running "):
+                return float(line.split()[1])
+    return 0.0
+
+
 @pytest.fixture
 def dp_server(target_dir, drafter_dir):
     port = free_port()
@@ -67,22 +75,29 @@ def test_rank_death_answers_503_and_exits_nonzero(dp_server):
     ranks = rank_processes(proc.pid)
     assert len(ranks) == 1
 
-    result = {}
+    results = []
 
     def long_request():
         try:
-            client.completions.create(model=first.model, prompt="w4 w5", max_tokens=250,
+            client.completions.create(model=first.model, prompt="w4 w5", max_tokens=240,
                                       extra_body={"ignore_eos": True})
+            results.append((200, ""))
         except openai.APIStatusError as exc:
-            result["status"], result["message"] = exc.status_code, str(exc)
+            results.append((exc.status_code, str(exc)))
 
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    time.sleep(1.0)
+    threads = [threading.Thread(target=long_request) for _ in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while running_requests(url) < 1:          # kill only once requests are decoding
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.01)
     os.kill(ranks[0], 9)
-    thread.join(30)
-    assert result.get("status") == 503, result
-    assert "rank 1" in result["message"]
+    for t in threads:
+        t.join(30)
+    failed = [(status, message) for status, message in results if status != 200]
+    assert len(results) == 4 and failed, results
+    assert all(status == 503 and "rank 1" in message for status, message in failed), failed
     assert proc.wait(timeout=30) == 1                       # the server exits non-zero
     log = proc.stdout.read()
     assert "data-parallel rank 1 died" in log
