@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from dspark.distributed.comm import RankGroup
+from dspark.engine.engine import EngineStopped
 
 
 @dataclass
@@ -24,7 +25,7 @@ class GroupFailure:
         return f"data-parallel rank {self.rank} {self.cause}"
 
 
-class DPGroupError(RuntimeError):
+class DPGroupError(EngineStopped):
     """The group stopped: one rank failed. Nothing more runs on any rank."""
 
     def __init__(self, failure: GroupFailure):

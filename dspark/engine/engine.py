@@ -20,11 +20,17 @@ from dspark.models.loader import load_target
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
 from dspark.worker.inputs import RequestChunk
-from dspark.worker.step_key import StepKey
+from dspark.worker.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
 from dspark.worker.kv_cache import bytes_per_block, num_blocks_for_budget
+from dspark.worker.step_key import StepKey
 from dspark.worker.worker import StepResult, Worker, WorkerBatch
 
 logger = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine can run no more steps (a data-parallel rank failed): its server stops serving,
+    where a step that merely failed only fails its requests."""
 
 
 @dataclass
@@ -196,7 +202,6 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the context allows "
                              f"(max_model_len={self.max_model_len}, at least one token to generate)")
-        from dspark.worker.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
         if request_id is not None and is_reserved_request_id(request_id):
             raise ValueError(f"request id {request_id!r} starts with {DUMMY_REQUEST_PREFIX!r}, a "
                              "prefix reserved for the engine's padding (dummy) requests")

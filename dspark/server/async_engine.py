@@ -19,15 +19,14 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from dspark.distributed.failure import DPGroupError
-from dspark.engine.engine import Engine
+from dspark.engine.engine import Engine, EngineStopped
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
+from dspark.server.request_stream import RequestStream
 from dspark.server.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
@@ -81,58 +80,6 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
-
-
-class RequestStream:
-    """The outputs of one request, consumed by exactly one reader on the event loop."""
-
-    def __init__(self, request_id: str, owner: AsyncEngine):
-        self.request_id = request_id
-        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.finished = False
-        self._owner = owner
-        self._buffer: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                output = await self._next()
-                self.finished = output.finished
-                yield output
-        finally:
-            self.close()
-
-    async def _next(self) -> RequestOutput:
-        while not self._buffer:
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._buffer.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        while self._buffer and isinstance(self._buffer[0], RequestOutput):
-            item = _merge(item, self._buffer.popleft())
-        return item
-
-    def push(self, item: RequestOutput | BaseException) -> None:
-        self._buffer.append(item)
-        self._ready.set()
-
-    def close(self) -> None:
-        """Abort in the engine unless finished; safe to call more than once."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
-
-
-def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Later outputs carry the cumulative text; only the deltas need joining."""
-    return dataclasses.replace(later, new_text=earlier.new_text + later.new_text,
-                               new_token_ids=earlier.new_token_ids + later.new_token_ids)
 
 
 class AsyncEngine:
@@ -272,7 +219,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished:
                     self._step()
                 self._publish_state()
-            except DPGroupError as exc:                       # the group is gone: stop serving
+            except EngineStopped as exc:                      # e.g. a data-parallel rank failed
                 self._die(exc)
                 break
             except Exception:                                 # never let the loop die silently
@@ -317,7 +264,7 @@ class AsyncEngine:
         start = self._step_started = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except DPGroupError:
+        except EngineStopped:
             raise
         except Exception as exc:
             logger.exception("engine step failed; failing the requests in the engine")

@@ -8,8 +8,7 @@ refreshed in place at every replay, the padding rows included, so a batch that s
 no stale row behind. The logits tail runs after the graph on the rows that sample.
 
 Backends share this path: `eager` (the padded path as plain PyTorch, for tests and debugging),
-`compile` (torch.compile per bucket, weights frozen into the graph where inductor supports it)
-and `cuda` (piecewise CUDA graphs, NVIDIA only; graph_backends.py). `auto` is resolved before a
+`compile` (the stack's pieces compiled per bucket, attention eager between them) and `cuda` (piecewise CUDA graphs, NVIDIA only; graph_backends.py). `auto` is resolved before a
 StepGraphs is built (graph_choice.py). Steps larger than the largest bucket run eagerly and are
 counted; so are buckets whose capture failed when the engine was told to fall back.
 """
