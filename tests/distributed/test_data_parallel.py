@@ -10,6 +10,8 @@ from dspark.llm import build_config
 from dp_helpers import engine_with_blocks
 from tiny import greedy_workload, save_random_drafter, save_tiny
 
+pytestmark = pytest.mark.slow          # every test starts a group of processes (seconds)
+
 VOCAB = 32
 PER_TOKEN = 2 * (4 + 1) * 2 * 16 * 4       # K+V of 4 target + 1 drafter layers, fp32
 

@@ -12,6 +12,8 @@ from dspark.llm import build_config
 from dp_helpers import faulty_engine
 from test_data_parallel import engine_kwargs, models  # noqa: F401 (the models fixture)
 
+pytestmark = pytest.mark.slow          # every test starts a group of processes (seconds)
+
 TIMEOUT = 4.0
 
 

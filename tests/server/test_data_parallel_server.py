@@ -14,6 +14,9 @@ import openai
 import pytest
 
 
+pytestmark = pytest.mark.slow          # every test starts a group of processes (seconds)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
