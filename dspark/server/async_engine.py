@@ -278,13 +278,16 @@ class AsyncEngine:
 
     def _die(self, exc: BaseException) -> None:
         """Answer everything in flight with 503 (the engine is gone, not the request's fault),
-        refuse new work, and let the server exit non-zero."""
-        if self.fatal is not None:                            # the watchdog came first
-            return
-        logger.error("the engine cannot continue: %s", exc)
-        self.fatal = exc
-        with self._cond:
+        refuse new work, and let the server exit non-zero (told first, so that whoever sees a
+        503 also sees the server going down)."""
+        with self._cond:                 # the engine thread and the watchdog may both get here
+            if self.fatal is not None:
+                return
+            self.fatal = exc
             self._stopped = True
+        logger.error("the engine cannot continue: %s", exc)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
         error = EngineNotRunning(str(exc))
         if self._loop is not None:
             try:          # the streams belong to the loop: fail them there
@@ -292,8 +295,6 @@ class AsyncEngine:
                     lambda: self._deliver([(request_id, error) for request_id in list(self._streams)]))
             except RuntimeError:                              # the loop is closed already
                 pass
-        if self.on_fatal is not None:
-            self.on_fatal(exc)
 
     def _fail_in_flight(self, error: RequestFailed) -> None:
         """Abort (and free) every request in the engine: after a failed step its state is suspect.
