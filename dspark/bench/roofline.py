@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from dspark.models.layers.linear import Linear
+
 
 def read_bandwidth(megabytes: int = 256, repeats: int = 7, device: str = "cpu") -> float:
     """Bytes/s of a streaming fp32 sum over a buffer far larger than the caches (median), on the
@@ -25,10 +27,17 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 7, device: str = "cpu") 
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step must read: every distinct parameter (tied weights counted once)."""
+    """Bytes a decode step must read: every projection's weight (plain or packed, tied ones once)
+    and the other parameters, but of an embedding table only the rows it looks up (nothing)."""
     seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(module, torch.nn.Embedding):
+                seen.add(p.data_ptr())
+                continue
+            key = ("packed", id(module)) if name == "weight" and isinstance(module, Linear) else p.data_ptr()
+            if key in seen:
+                continue
+            seen.add(key)
+            total += module.weight_bytes() if isinstance(key, tuple) else p.numel() * p.element_size()
     return total

@@ -16,6 +16,7 @@ from dspark.engine.block_manager import BlockManager
 from dspark.engine.output_processor import OutputProcessor
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.engine.sequence import Sequence
+from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or 8192, loaded.config.max_position_embeddings)
         cache = config.cache
         self.drafter = self._load_drafter(loaded)
+        pack_for_inference(loaded.model, self.drafter)
         draft_bytes = 0 if self.drafter is None else bytes_per_block(
             self.drafter.config, cache.block_size, config.torch_dtype)
         needed = config.scheduler.max_num_seqs * (self.max_model_len + cache.block_size)
