@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.layers.linear import Linear
+from dspark.models.layers.linear import Linear, linear
 from dspark.models.layers.norm import RMSNorm
 from dspark.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -171,6 +171,8 @@ class ConfidenceHead(nn.Module):
 
 
 class Drafter(nn.Module):
+    draft_lm_head_packed: torch.Tensor | None = None   # [V_draft, d] oneDNN copy (inference only)
+
     def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Module):
         super().__init__()
         self.config = cfg
@@ -246,7 +248,7 @@ class Drafter(nn.Module):
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[..., d] -> fp32 [..., V_draft] through the target lm_head (its draft-vocab rows)."""
         if self.config.uses_draft_vocab:
-            return F.linear(h, self.draft_lm_head_weight.to(h.dtype)).float()
+            return linear(h, self.draft_lm_head_weight.to(h.dtype), self.draft_lm_head_packed).float()
         return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
 
     # ---- sequential head -------------------------------------------------------------------
@@ -344,3 +346,4 @@ class Drafter(nn.Module):
                              f"draft_vocab_size is {self.config.draft_vocab_size})")
         self.draft_to_target_index = index
         self.draft_lm_head_weight = self.lm_head.weight.detach()[index].to(self.fc.weight.dtype)
+        self.draft_lm_head_packed = None          # pack_for_inference packs the new rows again

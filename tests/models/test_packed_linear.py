@@ -8,8 +8,10 @@ from dspark.bench.roofline import weight_bytes
 from dspark.engine.block_manager import BlockManager
 from dspark.llm import LLM
 from dspark.models.layers.linear import Linear, pack_for_inference, pack_linears
+from dspark.models.drafter_loader import save_speculators
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
+from dspark.train.prune_vocab import prune_drafter
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
 from tiny import save_random_drafter, save_tiny
@@ -93,14 +95,18 @@ def test_packed_target_logits_equal_plain_and_keep_the_lm_head(tmp_path, family,
     assert torch.equal(_paged_logits(target.model, target.config, prompts), before)
 
 
-def test_engine_packs_bf16_target_and_drafter(tmp_path):
+@pytest.mark.parametrize("reduced_vocab", [False, True])
+def test_engine_packs_bf16_target_and_drafter(tmp_path, reduced_vocab):
     target_dir, drafter_dir = str(tmp_path / "t"), str(tmp_path / "d")
     save_tiny(target_dir, "llama", True, num_hidden_layers=4)
-    save_random_drafter(drafter_dir, target_dir, gamma=3)
+    drafter = save_random_drafter(drafter_dir, target_dir, gamma=3)
+    if reduced_vocab:
+        save_speculators(prune_drafter(drafter, torch.arange(0, 128, 2)), drafter_dir)
     llm = LLM(target_dir, dtype="bfloat16", drafter=drafter_dir, graph="eager")
     worker = llm.engine.worker
     assert worker.model.layers[0].self_attn.qkv_proj.packed is not None
     assert worker.drafter.layers[0].mlp.down_proj.packed is not None
+    assert (worker.drafter.draft_lm_head_packed is not None) == reduced_vocab
     out = llm.generate([[5, 9, 17, 3]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 12
     assert out[0].spec.drafted_tokens > 0

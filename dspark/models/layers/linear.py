@@ -34,18 +34,29 @@ def _packed_linear_shape(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tens
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
+def linear(x: Tensor, weight: Tensor, packed: Tensor | None, bias: Tensor | None = None) -> Tensor:
+    """x [..., in] -> [..., out] through the packed copy of `weight` when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return packed_linear(x, packed, bias)
+    # eagerly the operator itself: the custom op's Python dispatch costs ~15 us a call
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_weight(weight: Tensor) -> Tensor:
+    """[out, in] -> the same matrix in oneDNN's blocked layout (a copy)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
 class Linear(nn.Linear):
     """nn.Linear that, once packed, multiplies by its oneDNN copy instead of `weight`."""
 
     packed: Tensor | None = None          # [out, in] in oneDNN's blocked layout, or None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():
-            return packed_linear(x, self.packed, self.bias)
-        # eagerly the operator itself: the custom op's Python dispatch costs ~15 us a call
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return linear(x, self.weight, self.packed, self.bias)
 
     def weight_bytes(self) -> int:
         """Bytes one forward reads from the weight, whichever copy it uses."""
@@ -69,10 +80,9 @@ def pack_linears(module: nn.Module, drop_dense: bool) -> int:
     for m in module.modules():
         if not isinstance(m, Linear) or m.packed is not None or not can_pack(m.weight):
             continue
-        with torch.no_grad():
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1)
-            if drop_dense:
-                m.weight.data = m.weight.data.new_empty(0)
+        m.packed = pack_weight(m.weight)
+        if drop_dense:
+            m.weight.data = m.weight.data.new_empty(0)
         count += 1
     return count
 
@@ -84,9 +94,14 @@ def pack_for_inference(target: nn.Module, drafter: nn.Module | None) -> int:
     count += pack_linears(target.lm_head, drop_dense=False)
     if drafter is not None:
         count += pack_linears(drafter, drop_dense=True)
+        head = getattr(drafter, "draft_lm_head_weight", None)
+        if head is not None and head.numel() and can_pack(head):
+            drafter.draft_lm_head_packed = pack_weight(head)     # its reduced-vocabulary head
+            count += 1
     if count:
         logger.info("packed %d projection weights in oneDNN's layout", count)
     return count
 
 
-__all__ = ["Linear", "can_pack", "pack_for_inference", "pack_linears", "packed_linear"]
+__all__ = ["Linear", "can_pack", "linear", "pack_for_inference", "pack_linears", "pack_weight",
+           "packed_linear"]
