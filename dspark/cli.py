@@ -109,10 +109,10 @@ def cmd_calibrate(args) -> None:
     cal = run_calibration(llm, prompts, params, dataset=args.data or "built-in prompts")
     cal.save(args.out)
     print(f"{cal.num_samples} rounds; wrote {args.out}")
-    print("position | T | ECE before | ECE after | held-out quarter: before | after")
-    for k, row in enumerate(zip(cal.temperatures, cal.ece_before, cal.ece_after,
+    print("position | T | offset | ECE before | ECE after | held-out quarter: before | after")
+    for k, row in enumerate(zip(cal.temperatures, cal.offset_list(), cal.ece_before, cal.ece_after,
                                 cal.ece_heldout_before, cal.ece_heldout_after)):
-        print(f"{k + 1} | {row[0]:.3f} | " + " | ".join(f"{x:.2%}" for x in row[1:]))
+        print(f"{k + 1} | {row[0]:.3f} | {row[1]:+.1f} | " + " | ".join(f"{x:.2%}" for x in row[2:]))
 
 
 def cmd_demo(args) -> None:

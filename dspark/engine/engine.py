@@ -161,6 +161,7 @@ class Engine:
             table.check_fingerprint(self.cost_fingerprint())
         if self.sts is not None:
             self.worker.sts_temperatures = torch.tensor(self.sts.temperatures, device=self.device)
+            self.worker.sts_offsets = torch.tensor(self.sts.offset_list(), device=self.device)
         return ConfidenceScheduler(table, self.sts, gamma, spec.confidence_lag, spec.min_gain,
                                    spec.probe_interval)
 

@@ -37,13 +37,14 @@ class ConfidenceScheduler:
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
         self.probe_interval = probe_interval
         self.temperatures = torch.tensor(sts.temperatures if sts else [1.0] * gamma)
+        self.offsets = torch.tensor(sts.offset_list() if sts else [0.0] * gamma)
         self.correction = OnlineSurvivalCorrection(gamma)
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
 
     def record(self, seq: Sequence, confidence_logits: list[float], verified: int, accepted: int) -> None:
         seq.confidence_history.append(confidence_logits)
         del seq.confidence_history[:-self.lag]
-        survival = cumulative_survival(torch.tensor(confidence_logits)[None], self.temperatures)[0]
+        survival = cumulative_survival(torch.tensor(confidence_logits)[None], self.temperatures, self.offsets)[0]
         self.correction.observe(survival, verified, accepted)
 
     def _stale_survival(self, spec: list[ScheduledRequest]) -> torch.Tensor:
@@ -54,7 +55,7 @@ class ConfidenceScheduler:
             history = s.seq.confidence_history
             known.append(bool(history))
             rows.append(history[-min(self.lag, len(history))] if history else [0.0] * self.gamma)
-        survival = cumulative_survival(torch.tensor(rows), self.temperatures)
+        survival = cumulative_survival(torch.tensor(rows), self.temperatures, self.offsets)
         survival = torch.where(torch.tensor(known)[:, None], survival, 1.0)
         survival = self.correction.apply(survival)     # calibrates the c = 1 prior as well
         caps = torch.tensor([s.verify_len for s in spec])

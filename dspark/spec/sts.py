@@ -4,6 +4,11 @@ The scheduler needs absolute survival probabilities a_k = Π_{i<=k} c_i, and the
 over-confident.  One temperature per position is fitted left to right on the cumulative product
 (earlier temperatures frozen), minimising the expected calibration error of a_k against the
 prefix-accept labels.  Scaling keeps each position's ranking.
+
+A head can also be biased: trained on teacher-forced blocks of sampled data, it may predict
+acceptance 0.5 where greedy decoding of other prompts accepts 0.4.  A temperature cannot move
+σ(z / T) across 0.5, so an offset b_k per position is fitted with it, c_k = σ(z_k / T_k + b_k);
+it keeps the ranking too.  With `offsets` left out (the format other engines read), b = 0.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 GRID = torch.logspace(-3, 3, 121, base=2.0)        # temperatures 0.125 .. 8
+OFFSETS = torch.arange(-40, 41) / 10.0              # logit offsets -4 .. 4, 0.1 apart
 
 
 @dataclass
 class STSCalibration:
     temperatures: list[float]                       # one per draft position (length γ)
+    offsets: list[float] = field(default_factory=list)      # b_k per position (empty: all 0)
     ece_before: list[float] = field(default_factory=list)   # per position, cumulative survival
     ece_after: list[float] = field(default_factory=list)
     # the same, for temperatures fitted on 3/4 of the rounds and scored on the other quarter
@@ -34,6 +41,12 @@ class STSCalibration:
                              f"drafts γ={gamma} tokens")
         if any(not t > 0 for t in self.temperatures):
             raise ValueError("STS temperatures must be positive")
+        if self.offsets and len(self.offsets) != gamma:
+            raise ValueError(f"the STS file has {len(self.offsets)} offsets but the drafter "
+                             f"drafts γ={gamma} tokens")
+
+    def offset_list(self) -> list[float]:
+        return list(self.offsets) if self.offsets else [0.0] * len(self.temperatures)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -51,35 +64,73 @@ class STSCalibration:
             raise ValueError(f"{path!r} is not a valid STS calibration file: {e}") from e
 
     def confidences(self, logits: torch.Tensor) -> torch.Tensor:
-        """z [.., γ] -> calibrated c_k = σ(z_k / T_k)."""
+        """z [.., γ] -> calibrated c_k = σ(z_k / T_k + b_k)."""
         temps = torch.tensor(self.temperatures, dtype=logits.dtype, device=logits.device)
-        return torch.sigmoid(logits / temps)
+        offsets = torch.tensor(self.offset_list(), dtype=logits.dtype, device=logits.device)
+        return torch.sigmoid(logits / temps + offsets)
 
 
 def ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 20) -> float:
     """Expected calibration error over equal-width probability bins."""
+    return float(batched_ece(pred[None], label, bins)[0])
+
+
+def batched_ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 20) -> torch.Tensor:
+    """pred [G, N] candidate predictions of the same labels [N] -> [G] ECE of each row."""
+    g, n = pred.shape
     index = (pred.clamp(0, 1) * bins).long().clamp(max=bins - 1)
-    conf = torch.zeros(bins).index_add_(0, index, pred.float())
-    hits = torch.zeros(bins).index_add_(0, index, label.float())
-    return float((conf - hits).abs().sum() / max(len(pred), 1))
+    index = index + torch.arange(g)[:, None] * bins                    # [G, N] into [G * bins]
+    conf = torch.zeros(g * bins).index_add_(0, index.flatten(), pred.float().flatten())
+    hits = torch.zeros(g * bins).index_add_(0, index.flatten(), label.float().expand(g, n).flatten())
+    return (conf - hits).abs().view(g, bins).sum(-1) / max(n, 1)
 
 
-def survival(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-    """z [N, γ], T [γ] -> a [N, γ] = cumulative product of σ(z_k / T_k)."""
-    return torch.sigmoid(logits / temps).cumprod(dim=-1)
+def survival(logits: torch.Tensor, temps: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """z [N, γ], T [γ], b [γ] -> a [N, γ] = cumulative product of σ(z_k / T_k + b_k)."""
+    scaled = logits / temps if offsets is None else logits / temps + offsets
+    return torch.sigmoid(scaled).cumprod(dim=-1)
 
 
-def fit_sts(logits: torch.Tensor, labels: torch.Tensor, grid: torch.Tensor = GRID) -> list[float]:
+def fit_sts(logits: torch.Tensor, labels: torch.Tensor, grid: torch.Tensor = GRID,
+            offsets: torch.Tensor | None = OFFSETS) -> tuple[list[float], list[float]]:
     """logits [N, γ] raw confidence logits; labels [N, γ] prefix-accept indicators (1 if accepted
-    prefix >= k+1).  Returns T_1..T_γ fitted left to right on the cumulative product."""
+    prefix >= k+1).  Returns (T_1..T_γ, b_1..b_γ) fitted left to right on the cumulative product;
+    offsets=None fits temperatures alone (b = 0)."""
     logits, labels = logits.float(), labels.float()
-    temps = torch.ones(logits.shape[1])
+    offsets = torch.zeros(1) if offsets is None else offsets
+    temps, biases = [], []
     prefix = torch.ones(logits.shape[0])
     for k in range(logits.shape[1]):
-        errors = [ece(prefix * torch.sigmoid(logits[:, k] / t), labels[:, k]) for t in grid]
-        temps[k] = grid[int(torch.tensor(errors).argmin())]
-        prefix = prefix * torch.sigmoid(logits[:, k] / temps[k])
-    return temps.tolist()
+        t, b = _fit_position(logits[:, k], labels[:, k], prefix, grid, offsets)
+        temps.append(t)
+        biases.append(b)
+        prefix = prefix * torch.sigmoid(logits[:, k] / t + b)
+    return temps, biases
+
+
+def _fit_position(z: torch.Tensor, label: torch.Tensor, prefix: torch.Tensor, grid: torch.Tensor,
+                  offsets: torch.Tensor) -> tuple[float, float]:
+    """The (T, b) of the grids whose prefix * σ(z / T + b) has the least ECE: every temperature
+    with every 5th offset, then every pair near the best one. Among equal errors, the pair
+    nearest the identity (T = 1, b = 0) wins."""
+    def best_of(ti: torch.Tensor, bi: torch.Tensor) -> tuple[int, int]:
+        ti, bi = ti.repeat_interleave(len(bi)), bi.repeat(len(ti))      # every pair of the two
+        t, b = grid[ti], offsets[bi]
+        errors = torch.cat([batched_ece(prefix[None] * torch.sigmoid(z[None] / t[i:i + 256, None]
+                                                                      + b[i:i + 256, None]), label)
+                            for i in range(0, len(t), 256)])
+        best = int(torch.argmin(errors.double() + 1e-9 * (t.log().abs() + b.abs()).double()))
+        return int(ti[best]), int(bi[best])
+
+    stride = 5 if len(offsets) > 5 else 1
+    coarse = torch.arange(0, len(offsets), stride)
+    zero = int(torch.argmin(offsets.abs()))                             # keep b = 0 a candidate
+    coarse = torch.unique(torch.cat([coarse, torch.tensor([zero])]))
+    ti, bi = best_of(torch.arange(len(grid)), coarse)
+    near_t = torch.arange(max(ti - 4, 0), min(ti + 5, len(grid)))
+    near_b = torch.arange(max(bi - stride, 0), min(bi + stride + 1, len(offsets)))
+    ti, bi = best_of(near_t, near_b)
+    return float(grid[ti]), float(offsets[bi])
 
 
 def _per_position_ece(survivals: torch.Tensor, labels: torch.Tensor) -> list[float]:
@@ -88,20 +139,21 @@ def _per_position_ece(survivals: torch.Tensor, labels: torch.Tensor) -> list[flo
 
 def calibrate(logits: torch.Tensor, labels: torch.Tensor, sampling_temperature: float,
               dataset: str = "", seed: int = 0) -> STSCalibration:
-    """Fit on every round (the shipped temperatures); also fit on a random 3/4 and score the
-    remaining quarter, so the reported calibration is not only in-sample."""
+    """Fit on every round (the shipped temperatures and offsets); also fit on a random 3/4 and
+    score the remaining quarter, so the reported calibration is not only in-sample."""
     logits, labels = logits.float(), labels.float()
     ones = torch.ones(logits.shape[1])
-    temps = fit_sts(logits, labels)
+    temps, offsets = fit_sts(logits, labels)
     perm = torch.randperm(logits.shape[0], generator=torch.Generator().manual_seed(seed))
     fit, test = perm[:logits.shape[0] * 3 // 4], perm[logits.shape[0] * 3 // 4:]
-    split_temps = torch.tensor(fit_sts(logits[fit], labels[fit]))
+    split_temps, split_offsets = map(torch.tensor, fit_sts(logits[fit], labels[fit]))
     return STSCalibration(
-        temperatures=temps,
+        temperatures=temps, offsets=offsets,
         ece_before=_per_position_ece(survival(logits, ones), labels),
-        ece_after=_per_position_ece(survival(logits, torch.tensor(temps)), labels),
+        ece_after=_per_position_ece(survival(logits, torch.tensor(temps), torch.tensor(offsets)), labels),
         ece_heldout_before=_per_position_ece(survival(logits[test], ones), labels[test]),
-        ece_heldout_after=_per_position_ece(survival(logits[test], split_temps), labels[test]),
+        ece_heldout_after=_per_position_ece(survival(logits[test], split_temps, split_offsets),
+                                            labels[test]),
         num_samples=int(logits.shape[0]), sampling_temperature=sampling_temperature,
         dataset=dataset)
 

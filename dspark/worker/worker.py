@@ -65,6 +65,7 @@ class Worker:
             graphs.capture(self.kv_caches, block_size)
         self.drafter = drafter
         self.sts_temperatures: torch.Tensor | None = None    # [γ] applied before allocation
+        self.sts_offsets: torch.Tensor | None = None         # [γ]
         self.trim_fallbacks = 0                               # budgeted steps verified in full
         self.dummy_steps = 0                                  # idle data-parallel steps run
         self.draft_kv = None
@@ -163,7 +164,7 @@ class Worker:
         if z is None:
             raise ValueError("confidence scheduling needs a drafter with a confidence head")
         temps = self.sts_temperatures if self.sts_temperatures is not None else torch.ones_like(z[0])
-        survival = cumulative_survival(z, temps)
+        survival = cumulative_survival(z, temps, self.sts_offsets)
         beyond = torch.arange(z.shape[1], device=z.device)[None, :] >= caps[:, None]
         return survival.masked_fill(beyond, -1.0)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dspark.spec.sts import STSCalibration, calibrate, ece, fit_sts, prefix_labels
+from dspark.spec.sts import STSCalibration, calibrate, ece, fit_sts, prefix_labels, survival
 
 
 def test_ece_hand_computed():
@@ -25,14 +25,48 @@ def test_fit_recovers_overconfidence():
     accept = torch.rand(n, gamma, generator=g) < torch.sigmoid(z / 2)
     a = accept.int().cumprod(-1).sum(-1)
     labels = prefix_labels(a, gamma)
-    temps = fit_sts(z, labels)
+    temps, offsets = fit_sts(z, labels)
     assert all(1.6 < t < 2.5 for t in temps), temps
+    assert all(abs(b) <= 0.3 for b in offsets), offsets
     cal = calibrate(z, labels, sampling_temperature=0.0)
     assert all(after < before for before, after in zip(cal.ece_before, cal.ece_after))
     assert max(cal.ece_after) < 0.02
     # temperatures fitted on three quarters still calibrate the quarter they never saw
     assert len(cal.ece_heldout_after) == gamma and max(cal.ece_heldout_after) < 0.03
     assert all(a < b for b, a in zip(cal.ece_heldout_before, cal.ece_heldout_after))
+
+
+def test_fit_removes_a_bias_a_temperature_cannot():
+    """Labels drawn from σ(z - 1.5): the head's logits are all shifted up. Temperature alone
+    leaves a large error at position 1; the offset the fit finds is about -1.5 and fixes it."""
+    g = torch.Generator().manual_seed(1)
+    n, gamma = 20000, 2
+    z = torch.randn(n, gamma, generator=g) + 1.0
+    accept = torch.rand(n, gamma, generator=g) < torch.sigmoid(z - 1.5)
+    labels = prefix_labels(accept.int().cumprod(-1).sum(-1), gamma)
+    temps_only, zero = fit_sts(z, labels, offsets=None)
+    assert zero == [0.0, 0.0]
+    temps, offsets = fit_sts(z, labels)
+    assert -1.9 <= offsets[0] <= -1.1 and 0.8 <= temps[0] <= 1.25, (temps, offsets)
+    errors = lambda t, b: [ece(a, labels[:, k]) for k, a in  # noqa: E731
+                           enumerate(survival(z, torch.tensor(t), torch.tensor(b)).T)]
+    assert errors(temps_only, zero)[0] > 0.05
+    assert max(errors(temps, offsets)) < 0.015
+    cal = calibrate(z, labels, sampling_temperature=0.0)
+    assert max(cal.ece_heldout_after) < 0.025
+    # the calibration applies the offsets: c = σ(z / T + b)
+    torch.testing.assert_close(cal.confidences(z[:3]),
+                               torch.sigmoid(z[:3] / torch.tensor(cal.temperatures)
+                                             + torch.tensor(cal.offsets)))
+
+
+def test_tied_pairs_resolve_to_the_identity():
+    """z = 0 everywhere: every temperature gives the same error, so the fit keeps T = 1, b = 0
+    where b = 0 is already exact (half the rounds accept position 1)."""
+    z = torch.zeros(100, 2)
+    labels = torch.tensor([[1.0, 1.0]] * 50 + [[0.0, 0.0]] * 50)
+    temps, offsets = fit_sts(z, labels)
+    assert (temps[0], offsets[0]) == (1.0, 0.0)
 
 
 def test_file_roundtrip_and_validation(tmp_path):
@@ -44,6 +78,9 @@ def test_file_roundtrip_and_validation(tmp_path):
     back.validate(2)
     with pytest.raises(ValueError, match="γ=3"):
         back.validate(3)
+    assert back.offset_list() == [0.0, 0.0]           # a file without offsets (other engines')
+    with pytest.raises(ValueError, match="1 offsets"):
+        STSCalibration(temperatures=[1.0, 1.0], offsets=[0.5]).validate(2)
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a valid STS"):
         STSCalibration.load(str(tmp_path / "bad.json"))
