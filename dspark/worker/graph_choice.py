@@ -46,15 +46,16 @@ def default_cache_path() -> Path:
 def auto_mode(model: CausalLM, device: torch.device, aux_layer_ids: tuple[int, ...],
               fingerprint: dict, cache_path: Path) -> str:
     """The backend `auto` stands for on this device. `fingerprint` names the model and dtype;
-    the torch build, device and thread count are added here."""
+    the torch build, device, thread count and weight layout are added here."""
     if device.type == "cuda":
         logger.info("graph auto: cuda (CUDA graphs on an NVIDIA GPU)")
         return "cuda"
     if device.type != "cpu":
         logger.info("graph auto: eager (no graph backend is measured on %s)", device.type)
         return "eager"
+    packed = model.layers[0].mlp.down_proj.packed is not None
     full = {**fingerprint, "torch": torch.__version__, "device": str(device),
-            "num_threads": torch.get_num_threads()}
+            "num_threads": torch.get_num_threads(), "weights": "onednn" if packed else "dense"}
     choice = choose_cpu_mode(full, cache_path,
                              lambda mode: time_one_token_bucket(model, mode, device, aux_layer_ids))
     how = (f"measured earlier, cached in {cache_path}" if choice.cached

@@ -93,7 +93,7 @@ def tiny_model(tmp_path_factory):
 def test_auto_on_cpu_reuses_the_cached_verdict_and_says_why(tmp_path, tiny_model, caplog):
     fingerprint = {"model": "/tiny", "dtype": "float32"}
     key = {**fingerprint, "torch": torch.__version__, "device": "cpu",
-           "num_threads": torch.get_num_threads()}
+           "num_threads": torch.get_num_threads(), "weights": "dense"}
     path = tmp_path / "c.json"
     choose_cpu_mode(key, path, FakeMeasure(5.0, 1.0))
     with caplog.at_level(logging.INFO, logger="dspark.worker.graph_choice"):
