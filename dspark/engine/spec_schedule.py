@@ -1,10 +1,13 @@
 """Confidence scheduling on the host: the verify budget of the next step, before it launches.
 
 Each speculative request remembers the raw confidence logits of its last few rounds. The budget
-of a step uses those from `lag` rounds back (the oldest it has when it has fewer; a request with
-no history counts as certain, c = 1), calibrated by STS and by what recent rounds actually
-accepted (`OnlineSurvivalCorrection`), turned into cumulative survivals and handed to the
-planner with the cost table. The planner also leaves out of the drafter pass the requests whose
+of a step uses those from `lag` rounds back (the oldest it has when it has fewer), calibrated by
+STS and by what recent rounds actually accepted (`OnlineSurvivalCorrection`), turned into
+cumulative survivals and handed to the planner with the cost table. A request with no history
+counts as certain (c = 1) as far as its own confidences go, and is priced at the survival the
+population's rounds realise, which starts at 1 and learns; a request whose last round lies `age`
+steps back is priced between the two, its own weight halving every `half_life` undrafted steps,
+so old evidence fades instead of deciding for ever. The planner also leaves out of the drafter pass the requests whose
 drafts are not worth it (they decode one plain token); a request left out for its probe interval
 drafts again so that its confidences stay current, and each probe that does not convince the
 planner doubles that request's interval (up to 16x). Only information from earlier steps enters, so
@@ -30,10 +33,11 @@ logger = logging.getLogger(__name__)
 
 class ConfidenceScheduler:
     def __init__(self, table: CostTable, sts: STSCalibration | None, gamma: int, lag: int = 2,
-                 min_gain: float = 0.05, probe_interval: int = 16):
-        if lag < 1 or probe_interval < 1:
-            raise ValueError(f"the confidence lag and the probe interval must be >= 1 step, got "
-                             f"{lag} and {probe_interval}")
+                 min_gain: float = 0.05, probe_interval: int = 16, half_life: float = 4.0):
+        if lag < 1 or probe_interval < 1 or not half_life > 0:
+            raise ValueError(f"the confidence lag and the probe interval must be >= 1 step and the "
+                             f"half-life > 0, got {lag}, {probe_interval} and {half_life}")
+        self.half_life = half_life
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
         self.probe_interval = probe_interval
         self.temperatures = torch.tensor(sts.temperatures if sts else [1.0] * gamma)
@@ -48,16 +52,17 @@ class ConfidenceScheduler:
         self.correction.observe(survival, verified, accepted)
 
     def _stale_survival(self, spec: list[ScheduledRequest]) -> torch.Tensor:
-        """[R, γ] survival from `lag` rounds back (1.0 without history), corrected; 0 past each
-        request's cap. One batched computation for the whole step."""
-        rows, known = [], []
+        """[R, γ] survival from `lag` rounds back, corrected and faded toward the population's
+        realised survival by its age (all of it without history); 0 past each request's cap. One
+        batched computation for the whole step."""
+        rows, weight = [], []
         for s in spec:
             history = s.seq.confidence_history
-            known.append(bool(history))
             rows.append(history[-min(self.lag, len(history))] if history else [0.0] * self.gamma)
-        survival = cumulative_survival(torch.tensor(rows), self.temperatures, self.offsets)
-        survival = torch.where(torch.tensor(known)[:, None], survival, 1.0)
-        survival = self.correction.apply(survival)     # calibrates the c = 1 prior as well
+            weight.append(0.5 ** (s.seq.steps_without_draft / self.half_life) if history else 0.0)
+        own = self.correction.apply(cumulative_survival(torch.tensor(rows), self.temperatures, self.offsets))
+        w = torch.tensor(weight)[:, None]
+        survival = w * own + (1.0 - w) * self.correction.realised_survival[None, :]
         caps = torch.tensor([s.verify_len for s in spec])
         return survival.masked_fill(torch.arange(self.gamma)[None, :] >= caps[:, None], 0.0)
 

@@ -6,6 +6,10 @@ plain decoding would be faster. So every verified round compares, for each posit
 the survival it was predicted (STS applied) with whether the draft there was accepted, in
 exponentially decayed sums; predictions are scaled by realised / predicted per position (kept
 non-increasing along the block, never above 1). With no rounds yet the factor is 1.
+
+The same sums give the population's realised survival per position (accepted / verified): what
+a request with no confidences of its own can expect. It starts at 1 (a request with no history
+counts as certain) and moves to what rounds really accept as they arrive.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class OnlineSurvivalCorrection:
         self.decay = decay
         self.predicted = torch.full((gamma,), prior_rounds)      # Σ predicted survival per position
         self.realised = torch.full((gamma,), prior_rounds)       # Σ accepted (0/1) per position
+        self.verified = torch.full((gamma,), prior_rounds)       # Σ rounds that verified it
 
     def observe(self, survival: torch.Tensor, verified: int, accepted: int) -> None:
         """survival [γ] predicted for a round that verified `verified` drafts and accepted `accepted`."""
@@ -28,11 +33,18 @@ class OnlineSurvivalCorrection:
         self.predicted[:verified] = self.decay * self.predicted[:verified] + survival[:verified]
         hits = (torch.arange(verified) < accepted).float()
         self.realised[:verified] = self.decay * self.realised[:verified] + hits
+        self.verified[:verified] = self.decay * self.verified[:verified] + 1.0
 
     @property
     def factors(self) -> torch.Tensor:
         """[γ] realised / predicted."""
         return self.realised / self.predicted.clamp(min=1e-6)
+
+    @property
+    def realised_survival(self) -> torch.Tensor:
+        """[γ] the share of verified drafts accepted at each position, non-increasing, in [0, 1]."""
+        rate = (self.realised / self.verified.clamp(min=1e-6)).clamp(0.0, 1.0)
+        return torch.cummin(rate, dim=-1).values
 
     def apply(self, survival: torch.Tensor) -> torch.Tensor:
         """[..., γ] -> corrected survival, non-increasing along the block and within [0, 1]."""

@@ -215,3 +215,36 @@ def test_online_correction_learns_what_rounds_really_accept():
     before = liar.predicted.clone()
     liar.observe(promise, verified=0, accepted=0)         # a round that verified nothing: no evidence
     assert torch.equal(liar.predicted, before)
+
+
+def test_population_survival_starts_certain_and_learns():
+    """With no rounds the population prior is 1 (a request without history counts as certain);
+    after rounds that accept position 1 half the time and position 2 never, it says so."""
+    from dspark.spec.online_correction import OnlineSurvivalCorrection
+    corr = OnlineSurvivalCorrection(3)
+    assert torch.equal(corr.realised_survival, torch.ones(3))
+    for i in range(2000):
+        corr.observe(torch.full((3,), 0.5), verified=3, accepted=i % 2)
+    assert torch.allclose(corr.realised_survival, torch.tensor([0.5, 0.0, 0.0]), atol=0.02)
+
+
+def test_old_confidences_fade_toward_the_population_prior():
+    """A request whose last round was hopeless is priced at its own survival right after that
+    round, and closer to what the population realises the longer it goes undrafted."""
+    from types import SimpleNamespace
+    from dspark.engine.spec_schedule import ConfidenceScheduler
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 16, draft_ms=[0.0, 1.0, 2.0])
+    sched = ConfidenceScheduler(table, None, gamma=2, lag=1, half_life=2.0)
+    for _ in range(200):                          # the population accepts both drafts
+        sched.correction.observe(torch.ones(2), verified=2, accepted=2)
+
+    def priced(age: int, history: list) -> torch.Tensor:
+        seq = SimpleNamespace(confidence_history=history, steps_without_draft=age)
+        return sched._stale_survival([SimpleNamespace(seq=seq, verify_len=2)])[0]
+
+    hopeless = [[-30.0, -30.0]]
+    fresh, half, old = priced(0, hopeless), priced(2, hopeless), priced(40, hopeless)
+    assert fresh.max() < 1e-6
+    assert torch.allclose(half, torch.full((2,), 0.5 * float(sched.correction.realised_survival[0])), atol=1e-3)
+    assert torch.allclose(old, sched.correction.realised_survival, atol=1e-3)
+    assert torch.allclose(priced(0, []), sched.correction.realised_survival)   # no history at all
