@@ -14,7 +14,7 @@ import torch
 from dspark.config import EngineConfig
 from dspark.engine.block_manager import BlockManager
 from dspark.engine.output_processor import OutputProcessor
-from dspark.engine.scheduler import Scheduler, SchedulerOutput
+from dspark.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dspark.engine.sequence import Sequence
 from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
@@ -254,14 +254,18 @@ class Engine:
     def prepare_step(self) -> PreparedStep | None:
         """Schedule and plan the next step without running it (None: nothing to run). Data
         parallel ranks agree on the shapes of their prepared steps before running them."""
-        sched = self.scheduler.schedule()
+        plans = []
+
+        def plan_running(running: list[ScheduledRequest]) -> None:
+            plan = self.confidence_scheduler.plan(running)
+            if plan is not None:
+                self._leave_undrafted(running, plan.drafted)
+            plans.append(plan)
+
+        sched = self.scheduler.schedule(plan_running if self.confidence_scheduler is not None else None)
         if sched.is_empty:
             return None
-        plan = None
-        if self.confidence_scheduler is not None:
-            plan = self.confidence_scheduler.plan(sched.scheduled)
-            if plan is not None:
-                self._leave_undrafted(sched, plan.drafted)
+        plan = plans[0] if plans else None
         batch = self._worker_batch(sched)
         batch.verify_budget = None if plan is None else plan.budget
         return PreparedStep(sched, batch)
@@ -271,10 +275,11 @@ class Engine:
         result = self.worker.execute(prepared.batch, key)
         return self._commit(prepared.sched, result)
 
-    def _leave_undrafted(self, sched: SchedulerOutput, drafted: list[bool]) -> None:
+    def _leave_undrafted(self, scheduled: list[ScheduledRequest], drafted: list[bool]) -> None:
         """Speculative requests the planner left out of the drafter pass decode one plain token;
-        the blocks reserved for their drafts go back at once."""
-        spec = [s for s in sched.scheduled if s.spec]
+        the blocks and step tokens reserved for their drafts go back at once (the tokens to the
+        waiting requests' prefill, see Scheduler.schedule)."""
+        spec = [s for s in scheduled if s.spec]
         for s, keep in zip(spec, drafted):
             if keep:
                 continue

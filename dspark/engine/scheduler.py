@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dspark.config import SchedulerConfig
@@ -61,7 +62,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, plan_running: Callable[[list[ScheduledRequest]], None] | None = None
+                 ) -> SchedulerOutput:
+        """Running requests first (decode, speculative blocks, prefill chunks), then waiting ones
+        with the token budget left. `plan_running` sees the running requests' items before any
+        waiting request is admitted and may shrink them (a speculative block the verify planner
+        leaves undrafted becomes one plain token), so the tokens it gives back go to prefill."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         for seq in list(self.running):
@@ -74,6 +80,9 @@ class Scheduler:
                 continue
             out.scheduled.append(item)
             budget -= item.num_new_tokens
+        if plan_running is not None and out.scheduled:
+            plan_running(out.scheduled)
+            budget = self.config.max_num_batched_tokens - out.num_tokens
         self._admit_waiting(out, budget)
         return out
 

@@ -7,9 +7,11 @@ the survival it was predicted (STS applied) with whether the draft there was acc
 exponentially decayed sums; predictions are scaled by realised / predicted per position (kept
 non-increasing along the block, never above 1). With no rounds yet the factor is 1.
 
-The same sums give the population's realised survival per position (accepted / verified): what
-a request with no confidences of its own can expect. It starts at 1 (a request with no history
-counts as certain) and moves to what rounds really accept as they arrive.
+The same rounds give the population's realised survival per position (accepted / verified):
+what a request with no confidences of its own can expect. It starts at 1 (a request with no
+history counts as certain) from a single pseudo-round, so it takes the rounds' word after a few
+of them: a prior as heavy as the correction's would promise several accepted drafts per request
+for a hundred rounds, and a step that prefills many requests drafts for all of them on that word.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class OnlineSurvivalCorrection:
         self.decay = decay
         self.predicted = torch.full((gamma,), prior_rounds)      # Σ predicted survival per position
         self.realised = torch.full((gamma,), prior_rounds)       # Σ accepted (0/1) per position
-        self.verified = torch.full((gamma,), prior_rounds)       # Σ rounds that verified it
+        self.hits = torch.ones(gamma)                            # population: Σ accepted (0/1)
+        self.verified = torch.ones(gamma)                        # population: Σ rounds verified
 
     def observe(self, survival: torch.Tensor, verified: int, accepted: int) -> None:
         """survival [γ] predicted for a round that verified `verified` drafts and accepted `accepted`."""
@@ -33,6 +36,7 @@ class OnlineSurvivalCorrection:
         self.predicted[:verified] = self.decay * self.predicted[:verified] + survival[:verified]
         hits = (torch.arange(verified) < accepted).float()
         self.realised[:verified] = self.decay * self.realised[:verified] + hits
+        self.hits[:verified] = self.decay * self.hits[:verified] + hits
         self.verified[:verified] = self.decay * self.verified[:verified] + 1.0
 
     @property
@@ -43,7 +47,7 @@ class OnlineSurvivalCorrection:
     @property
     def realised_survival(self) -> torch.Tensor:
         """[γ] the share of verified drafts accepted at each position, non-increasing, in [0, 1]."""
-        rate = (self.realised / self.verified.clamp(min=1e-6)).clamp(0.0, 1.0)
+        rate = (self.hits / self.verified.clamp(min=1e-6)).clamp(0.0, 1.0)
         return torch.cummin(rate, dim=-1).values
 
     def apply(self, survival: torch.Tensor) -> torch.Tensor:

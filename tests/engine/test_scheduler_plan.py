@@ -1,0 +1,50 @@
+"""The verify planner sees the running requests before prefill is admitted, so the step tokens
+it takes back from undrafted speculative blocks go to waiting requests' prefill."""
+
+from dspark.config import SchedulerConfig
+from dspark.engine.block_manager import BlockManager
+from dspark.engine.scheduler import Scheduler
+from dspark.engine.sequence import Sequence, SequenceStatus
+from dspark.sampling_params import SamplingParams
+
+GAMMA, BUDGET = 4, 16
+
+
+def decoding(request_id: str) -> Sequence:
+    """A running request with one output token: its next step is a speculative block."""
+    seq = Sequence(request_id, [1, 2, 3], SamplingParams(max_tokens=32))
+    seq.output_token_ids.append(4)
+    seq.num_computed_tokens = 3
+    return seq
+
+
+def scheduler_with(running: list[Sequence], waiting: Sequence) -> Scheduler:
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=BUDGET), blocks,
+                      max_model_len=256, num_spec_tokens=GAMMA)
+    for seq in running:
+        blocks.ensure(seq.block_table, seq.num_computed_tokens)
+        seq.status = SequenceStatus.RUNNING
+        sched.running.append(seq)
+    sched.add(waiting)
+    return sched
+
+
+def test_undrafted_blocks_give_their_tokens_to_prefill():
+    prompt = list(range(100))
+    for plan, prefill in ((None, BUDGET - 2 * (1 + GAMMA)), ("undraft", BUDGET - 2)):
+        running = [decoding("a"), decoding("b")]
+        seen = []
+
+        def undraft(items):
+            seen.append([(s.seq.request_id, s.spec, s.num_new_tokens) for s in items])
+            for s in items:
+                s.spec, s.verify_len, s.num_new_tokens = False, 0, 1
+
+        sched = scheduler_with(running, Sequence("new", prompt, SamplingParams()))
+        out = sched.schedule(undraft if plan else None)
+        chunks = {s.seq.request_id: s.num_new_tokens for s in out.scheduled}
+        assert chunks["new"] == prefill and out.num_tokens == BUDGET
+        if plan:     # the planner saw only the running blocks, at their full reservation
+            assert seen == [[("a", True, 1 + GAMMA), ("b", True, 1 + GAMMA)]]
+            assert chunks["a"] == chunks["b"] == 1
