@@ -2,8 +2,9 @@
 
 Which backend wins on a CPU depends on the model, the dtype, the thread count and the torch build
 (README, Graph buckets: compiled SmolLM2 measured 1.00-1.09x eager for plain decoding and
-0.92-1.21x for DSpark), so it is measured rather than assumed: the 1-token bucket, eager and compiled, median of
-a few all-dummy replays. An all-dummy step skips attention, which is eager under both backends
+0.92-1.21x for DSpark), so it is measured rather than assumed: the 1-token bucket, eager and compiled, medians of
+all-dummy replays taken alternately (on a shared machine a burst of foreign load would otherwise
+land on one backend only: one start measured compile at 2.6x eager, where interleaved it is 0.9-1.1x). An all-dummy step skips attention, which is eager under both backends
 anyway, so the timing is the part the backends differ in. Compiling every bucket costs tens of
 seconds at each start, so compile must win by `min_gain`. The verdict is kept in a small JSON
 file keyed by a fingerprint of what it depends on, and a later start reuses it.
@@ -57,7 +58,7 @@ def auto_mode(model: CausalLM, device: torch.device, aux_layer_ids: tuple[int, .
     full = {**fingerprint, "torch": torch.__version__, "device": str(device),
             "num_threads": torch.get_num_threads(), "weights": "onednn" if packed else "dense"}
     choice = choose_cpu_mode(full, cache_path,
-                             lambda mode: time_one_token_bucket(model, mode, device, aux_layer_ids))
+                             lambda: time_one_token_buckets(model, device, aux_layer_ids))
     how = (f"measured earlier, cached in {cache_path}" if choice.cached
            else f"measured now, saved to {cache_path}")
     logger.info("graph auto: %s (1-token step %.3f ms compiled vs %.3f ms eager; %s)",
@@ -65,10 +66,10 @@ def auto_mode(model: CausalLM, device: torch.device, aux_layer_ids: tuple[int, .
     return choice.mode
 
 
-def choose_cpu_mode(fingerprint: dict, cache_path: Path, measure: Callable[[str], float],
+def choose_cpu_mode(fingerprint: dict, cache_path: Path, measure: Callable[[], tuple[float, float]],
                     min_gain: float = 0.05) -> GraphChoice:
-    """The cached verdict for `fingerprint`, else measure(mode) -> ms for eager and compile and
-    keep compile only if it is at least `min_gain` faster; the new verdict is cached."""
+    """The cached verdict for `fingerprint`, else measure() -> (eager ms, compile ms), keeping
+    compile only if it is at least `min_gain` faster; the new verdict is cached."""
     key = json.dumps(fingerprint, sort_keys=True)
     verdicts = _read_verdicts(cache_path)
     if key in verdicts:
@@ -79,7 +80,7 @@ def choose_cpu_mode(fingerprint: dict, cache_path: Path, measure: Callable[[str]
         except TypeError:
             pass
         logger.warning("ignoring a malformed graph verdict in %s", cache_path)
-    eager_ms, compile_ms = measure("eager"), measure("compile")
+    eager_ms, compile_ms = measure()
     mode = "compile" if compile_ms < eager_ms * (1.0 - min_gain) else "eager"
     choice = GraphChoice(mode, eager_ms, compile_ms)
     verdicts.pop(key, None)
@@ -91,19 +92,28 @@ def choose_cpu_mode(fingerprint: dict, cache_path: Path, measure: Callable[[str]
 def median_step_ms(run: Callable[[], object], replays: int = 7, warmup: int = 2,
                    timer: Callable[[], float] = time.perf_counter) -> float:
     """Median wall time of `run()` in ms over `replays` calls after `warmup` untimed ones."""
+    return interleaved_medians_ms({"run": run}, replays, warmup, timer)["run"]
+
+
+def interleaved_medians_ms(runs: dict[str, Callable[[], object]], replays: int = 7, warmup: int = 2,
+                           timer: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median wall time in ms of each run, the runs taking turns call by call, after `warmup`
+    untimed rounds, so that drift in the machine's load reaches every run alike."""
     for _ in range(warmup):
-        run()
-    times = []
+        for run in runs.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(replays):
-        start = timer()
-        run()
-        times.append(timer() - start)
-    return statistics.median(times) * 1e3
+        for name, run in runs.items():
+            start = timer()
+            run()
+            times[name].append(timer() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def time_one_token_bucket(model: CausalLM, mode: str, device: torch.device,
-                          aux_layer_ids: tuple[int, ...], replays: int = 7) -> float:
-    """Median ms of an all-dummy step at a 1-token bucket built (and compiled) for `mode` alone."""
+def one_token_step(model: CausalLM, mode: str, device: torch.device,
+                   aux_layer_ids: tuple[int, ...]) -> Callable[[], object]:
+    """An all-dummy step at a 1-token bucket built (and compiled) for `mode` alone."""
     from dspark.worker.graphs import StepGraphs, dummy_metadata
     from dspark.worker.kv_cache import allocate_kv_cache
     graphs = StepGraphs(model, mode, [1], device, aux_layer_ids)
@@ -111,7 +121,15 @@ def time_one_token_bucket(model: CausalLM, mode: str, device: torch.device,
     graphs.capture(caches, 1)
     empty = torch.zeros(0, dtype=torch.long, device=device)
     meta = dummy_metadata(1, device)
-    return median_step_ms(lambda: graphs.run(empty, empty, meta, caches), replays)
+    return lambda: graphs.run(empty, empty, meta, caches)
+
+
+def time_one_token_buckets(model: CausalLM, device: torch.device, aux_layer_ids: tuple[int, ...],
+                           replays: int = 15) -> tuple[float, float]:
+    """(eager ms, compiled ms) of the all-dummy 1-token step, measured alternately."""
+    runs = {mode: one_token_step(model, mode, device, aux_layer_ids) for mode in ("eager", "compile")}
+    ms = interleaved_medians_ms(runs, replays)
+    return ms["eager"], ms["compile"]
 
 
 def _read_verdicts(path: Path) -> dict:

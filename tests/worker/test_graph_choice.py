@@ -6,23 +6,23 @@ import logging
 import pytest
 import torch
 
-from dspark.worker.graph_choice import (GraphChoice, auto_mode, choose_cpu_mode, median_step_ms,
-                                        time_one_token_bucket)
+from dspark.worker.graph_choice import (GraphChoice, auto_mode, choose_cpu_mode,
+                                        interleaved_medians_ms, median_step_ms, one_token_step)
 from tiny import save_tiny
 
 FINGERPRINT = {"model": "/models/a", "dtype": "bfloat16", "torch": "2.13.0", "num_threads": 2}
 
 
 class FakeMeasure:
-    """measure(mode) -> ms from a table, counting the calls."""
+    """measure() -> (eager ms, compile ms) from a table, counting the calls."""
 
     def __init__(self, eager_ms: float, compile_ms: float):
-        self.ms = {"eager": eager_ms, "compile": compile_ms}
-        self.calls: list[str] = []
+        self.ms = (eager_ms, compile_ms)
+        self.calls = 0
 
-    def __call__(self, mode: str) -> float:
-        self.calls.append(mode)
-        return self.ms[mode]
+    def __call__(self) -> tuple[float, float]:
+        self.calls += 1
+        return self.ms
 
 
 @pytest.mark.parametrize("eager_ms, compile_ms, expected", [
@@ -34,7 +34,7 @@ def test_the_faster_backend_is_chosen(tmp_path, eager_ms, compile_ms, expected):
     measure = FakeMeasure(eager_ms, compile_ms)
     choice = choose_cpu_mode(FINGERPRINT, tmp_path / "choice.json", measure, min_gain=0.05)
     assert choice == GraphChoice(expected, eager_ms, compile_ms, cached=False)
-    assert sorted(measure.calls) == ["compile", "eager"]
+    assert measure.calls == 1
 
 
 def test_a_verdict_is_cached_per_fingerprint(tmp_path):
@@ -43,10 +43,10 @@ def test_a_verdict_is_cached_per_fingerprint(tmp_path):
     assert first.mode == "compile" and path.exists()
     again = FakeMeasure(1.0, 50.0)              # would pick eager if it were asked
     reused = choose_cpu_mode(dict(reversed(FINGERPRINT.items())), path, again)
-    assert reused == GraphChoice("compile", 10.0, 5.0, cached=True) and again.calls == []
+    assert reused == GraphChoice("compile", 10.0, 5.0, cached=True) and again.calls == 0
     other = FakeMeasure(1.0, 50.0)
     assert choose_cpu_mode({**FINGERPRINT, "num_threads": 8}, path, other).mode == "eager"
-    assert len(other.calls) == 2
+    assert other.calls == 1
     assert len(json.loads(path.read_text())["verdicts"]) == 2
 
 
@@ -54,7 +54,7 @@ def test_an_unreadable_cache_is_measured_again_and_rewritten(tmp_path):
     path = tmp_path / "choice.json"
     path.write_text("{not json")
     measure = FakeMeasure(3.0, 1.0)
-    assert choose_cpu_mode(FINGERPRINT, path, measure).mode == "compile" and len(measure.calls) == 2
+    assert choose_cpu_mode(FINGERPRINT, path, measure).mode == "compile" and measure.calls == 1
     key = json.dumps(FINGERPRINT, sort_keys=True)
     path.write_text(json.dumps({"verdicts": {key: {"mode": "cuda", "eager_ms": 1, "compile_ms": 1}}}))
     assert choose_cpu_mode(FINGERPRINT, path, FakeMeasure(3.0, 1.0)).cached is False
@@ -102,8 +102,26 @@ def test_auto_on_cpu_reuses_the_cached_verdict_and_says_why(tmp_path, tiny_model
 
 
 def test_the_eager_one_token_step_is_timed(tiny_model):
-    ms = time_one_token_bucket(tiny_model, "eager", torch.device("cpu"), (0, 1), replays=3)
+    step = one_token_step(tiny_model, "eager", torch.device("cpu"), (0, 1))
+    ms = median_step_ms(step, replays=3)
     assert 0 < ms < 1000
+
+
+def test_backends_are_timed_alternately_so_drift_reaches_both():
+    """A load that grows over the measurement must not decide between the backends: each run's
+    calls are spread over the whole measurement, not one run's before the other's."""
+    clock, order = [0.0], []
+
+    def run(name):
+        def call():
+            order.append(name)
+            clock[0] += 1.0 + len(order)       # every call slower than the one before
+        return call
+
+    ms = interleaved_medians_ms({"eager": run("eager"), "compile": run("compile")}, replays=5,
+                                warmup=1, timer=lambda: clock[0])
+    assert order == ["eager", "compile"] * 6
+    assert ms["compile"] - ms["eager"] == pytest.approx(1000.0)     # one call later, not five
 
 
 @pytest.mark.slow
