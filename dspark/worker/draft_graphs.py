@@ -35,6 +35,7 @@ import torch
 import torch._dynamo
 
 from dspark.models.drafter import Drafter
+from dspark.models.layers.linear import lower_packed_linear
 from dspark.spec.draft import BlockPass, KVCaches, block_pass, propose
 from dspark.spec.types import DraftProposal
 from dspark.worker.graphs import DUMMY_TOKEN_ID, StepGraphs, capture_largest_first, token_buckets
@@ -123,6 +124,7 @@ class DraftGraphs:
         if self.mode != "compile":
             return None
         if self.compiled is None:
+            lower_packed_linear()
             # one entry per bucket and no more: fullgraph turns a recompile past the buckets (a
             # guard that failed at replay) into an error instead of a silent stall or eager run;
             # isolated, so other engines in the process neither share nor use up these entries

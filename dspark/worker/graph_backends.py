@@ -22,6 +22,7 @@ import torch
 import torch._dynamo
 
 from dspark.models.layers.attention import AttentionMetadata, attend
+from dspark.models.layers.linear import lower_packed_linear
 from dspark.models.llama import CausalLM, StackState, layer_transition
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def _compiled(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetadata)
     guard failing at replay an error, not a silent recompile or eager run; isolated, so other
     engines in the process neither share nor use up these entries."""
     if graphs.compiled is None:
+        lower_packed_linear()
         n = len(graphs.buckets)
         compile_ = functools.partial(torch.compile, dynamic=False, fullgraph=True, isolate_recompiles=True)
         graphs.compiled = (compile_(graphs.model.embed_and_enter, recompile_limit=n),

@@ -3,11 +3,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
 
 from dspark.bench.roofline import weight_bytes
 from dspark.engine.block_manager import BlockManager
 from dspark.llm import LLM
-from dspark.models.layers.linear import Linear, pack_for_inference, pack_linears
+from dspark.models.layers.linear import Linear, lower_packed_linear, pack_for_inference, pack_linears
 from dspark.models.drafter_loader import save_speculators
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
@@ -52,8 +53,10 @@ def test_fp32_weights_stay_plain():
     assert lin.packed is None and lin.weight.numel() == 64
 
 
-def test_compiled_packed_linear_matches_eager():
-    lin = _linear(96, 160, bias=True)
+@pytest.mark.parametrize("bias", [False, True])
+def test_compiled_packed_linear_matches_eager_and_calls_onednn_directly(bias):
+    lower_packed_linear()
+    lin = _linear(96, 160 + bias, bias=bias)       # a shape of its own: no cached compile
     pack_linears(lin, drop_dense=True)
 
     def piece(x):
@@ -62,7 +65,12 @@ def test_compiled_packed_linear_matches_eager():
     compiled = torch.compile(piece, fullgraph=True, dynamic=False)
     for rows in (1, 8):
         x = torch.randn(rows, 96).to(BF16)
-        assert torch.equal(compiled(x), piece(x))
+        out, code = run_and_get_code(compiled, x)
+        assert torch.equal(out, piece(x))
+        if code:                                   # generated on the first call of each shape
+            text = "\n".join(code)
+            assert "torch.ops.mkldnn._linear_pointwise.default(" in text
+            assert "torch.ops.dspark.packed_linear.default(" not in text
 
 
 def _paged_logits(model, cfg, prompts):
