@@ -1,8 +1,8 @@
 """`--graph auto`: CUDA graphs on NVIDIA; on a CPU, whichever of compile and eager is faster here.
 
 Which backend wins on a CPU depends on the model, the dtype, the thread count and the torch build
-(README, Graph buckets: compiled SmolLM2 measured 1.00-1.09x eager for plain decoding and
-0.92-1.21x for DSpark), so it is measured rather than assumed: the 1-token bucket, eager and compiled, medians of
+(README, Graph buckets: compiled SmolLM2 has measured 0.96-1.09x eager for plain decoding
+and 0.92-1.21x for DSpark), so it is measured rather than assumed: the 1-token bucket, eager and compiled, medians of
 all-dummy replays taken alternately (on a shared machine a burst of foreign load would otherwise
 land on one backend only: one start measured compile at 2.6x eager, where interleaved it is 0.9-1.1x). An all-dummy step skips attention, which is eager under both backends
 anyway, so the timing is the part the backends differ in. Compiling every bucket costs tens of
