@@ -74,6 +74,7 @@ class SpecConfig:
     min_gain: float = 0.05               # trim only for at least this predicted gain in tokens/ms
     confidence_lag: int = 2              # the budget uses confidences from this many rounds back
     probe_interval: int = 16             # a request left undrafted this many steps drafts again
+    cost_correction: bool = True         # price plans by measured step times, not the table alone
 
     def resolve_embedded(self, model: str | None) -> None:
         """"embedded" names the shipped drafter (and its calibration) of the embedded target;

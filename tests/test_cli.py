@@ -29,3 +29,14 @@ def test_chat_applies_the_template(llm, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Name a colour.\n"))
     main(["chat", "--no-drafter", "--graph", "eager", "--max-tokens", "16"])
     assert capsys.readouterr().out == ref.text + "\n"
+
+
+def test_serve_flags_reach_the_scheduler_config():
+    import argparse
+    from dspark.server.launch import add_serve_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).spec.cost_correction is True
+    args = parser.parse_args(["--no-cost-correction", "--probe-interval", "8"])
+    spec = engine_config_from_args(args).spec
+    assert spec.cost_correction is False and spec.probe_interval == 8

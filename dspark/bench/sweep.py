@@ -39,7 +39,8 @@ def _engines(args, max_seqs: int) -> dict:
     if engines["verify-all"].engine.drafter is None:
         raise SystemExit("bench --mode sweep compares against a drafter: pass --drafter for this model")
     engines["scheduled"] = LLM(args.model, drafter=args.drafter, spec_schedule="confidence",
-                               cost_table=args.cost_table or "auto", min_gain=args.min_gain, **common)
+                               cost_table=args.cost_table or "auto", min_gain=args.min_gain,
+                               cost_correction=not getattr(args, "no_cost_correction", False), **common)
     return engines
 
 

@@ -163,7 +163,7 @@ class Engine:
             self.worker.sts_temperatures = torch.tensor(self.sts.temperatures, device=self.device)
             self.worker.sts_offsets = torch.tensor(self.sts.offset_list(), device=self.device)
         return ConfidenceScheduler(table, self.sts, gamma, spec.confidence_lag, spec.min_gain,
-                                   spec.probe_interval)
+                                   spec.probe_interval, cost_correction=spec.cost_correction)
 
     def reset_spec_stats(self) -> None:
         self.spec_stats = SpecStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))
@@ -272,7 +272,13 @@ class Engine:
 
     def run_step(self, prepared: PreparedStep, key: StepKey | None = None) -> list[RequestOutput]:
         """Run a prepared step (at the group's agreed key under data parallelism) and commit it."""
-        result = self.worker.execute(prepared.batch, key)
+        if self.confidence_scheduler is None:
+            return self._commit(prepared.sched, self.worker.execute(prepared.batch, key))
+        _, tokens, draft_requests, _ = self.worker.step_shape(prepared.batch)
+        began = time.perf_counter()
+        result = self.worker.execute(prepared.batch, key)       # ends in the step's one host copy
+        self.confidence_scheduler.observe_step(tokens, draft_requests,
+                                               (time.perf_counter() - began) * 1e3)
         return self._commit(prepared.sched, result)
 
     def _leave_undrafted(self, scheduled: list[ScheduledRequest], drafted: list[bool]) -> None:

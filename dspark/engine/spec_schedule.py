@@ -12,7 +12,9 @@ drafts are not worth it (they decode one plain token); a request left out for it
 drafts again so that its confidences stay current, and each probe that does not convince the
 planner doubles that request's interval (up to 16x). Only information from earlier steps enters, so
 the plan cannot depend on the drafts it will admit; which drafts fill the budget is decided on
-the device (worker/ragged.py, spec/allocate.py).
+the device (worker/ragged.py, spec/allocate.py). Every step's wall time also goes back to the
+planner (`observe_step`), which prices later plans by what steps of their size took lately
+rather than by the table alone (spec/cost_correction.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.engine.sequence import Sequence
+from dspark.spec.cost_correction import CostCorrection
 from dspark.spec.online_correction import OnlineSurvivalCorrection
 from dspark.spec.planner import CostTable, StepPlan, plan_step
 from dspark.spec.sts import STSCalibration
@@ -33,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 class ConfidenceScheduler:
     def __init__(self, table: CostTable, sts: STSCalibration | None, gamma: int, lag: int = 2,
-                 min_gain: float = 0.05, probe_interval: int = 16, half_life: float = 4.0):
+                 min_gain: float = 0.05, probe_interval: int = 16, half_life: float = 4.0,
+                 cost_correction: bool = True):
         if lag < 1 or probe_interval < 1 or not half_life > 0:
             raise ValueError(f"the confidence lag and the probe interval must be >= 1 step and the "
                              f"half-life > 0, got {lag}, {probe_interval} and {half_life}")
@@ -43,6 +47,7 @@ class ConfidenceScheduler:
         self.temperatures = torch.tensor(sts.temperatures if sts else [1.0] * gamma)
         self.offsets = torch.tensor(sts.offset_list() if sts else [0.0] * gamma)
         self.correction = OnlineSurvivalCorrection(gamma)
+        self.cost_correction = CostCorrection() if cost_correction else None
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
 
     def record(self, seq: Sequence, confidence_logits: list[float], verified: int, accepted: int) -> None:
@@ -81,9 +86,11 @@ class ConfidenceScheduler:
         survival = self._stale_survival(spec)
         num_sampling = sum(1 for s in scheduled if s.sample)
         probe = [s.seq.steps_without_draft >= self._interval(s.seq) for s in spec]
-        plan = plan_step(survival, self.table, num_sampling, other, self.min_gain, forced=probe)
-        chosen = plan_step(survival, self.table, num_sampling, other, self.min_gain).drafted \
-            if any(probe) else plan.drafted
+        scale = None if self.cost_correction is None else \
+            self.cost_correction.scale(other, survival.numel())
+        plan = plan_step(survival, self.table, num_sampling, other, self.min_gain, probe, scale)
+        chosen = plan_step(survival, self.table, num_sampling, other, self.min_gain,
+                           cost_scale=scale).drafted if any(probe) else plan.drafted
         for s, drafted, probed, wanted in zip(spec, plan.drafted, probe, chosen):
             seq = s.seq
             seq.steps_without_draft = 0 if drafted else seq.steps_without_draft + 1
@@ -92,6 +99,16 @@ class ConfidenceScheduler:
             elif wanted:
                 seq.probe_backoff = 1
         return plan
+
+    def observe_step(self, tokens: int, draft_requests: int, measured_ms: float) -> None:
+        """A step ran `tokens` target tokens after a drafter pass over `draft_requests` requests
+        (0: none) in `measured_ms`: teach the cost correction what the table missed."""
+        if self.cost_correction is None:
+            return
+        predicted = float(self.table.verify_costs(tokens, tokens + 1)[0])
+        if draft_requests:
+            predicted += float(self.table.draft_costs(torch.tensor([draft_requests]))[0])
+        self.cost_correction.observe(tokens, draft_requests > 0, predicted, measured_ms)
 
     def _interval(self, seq: Sequence) -> int:
         return self.probe_interval * seq.probe_backoff

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from dspark.spec.cost_correction import CostScale
+
 
 @dataclass
 class CostTable:
@@ -94,7 +96,8 @@ class StepPlan:
 
 
 def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other_tokens: int,
-              min_gain: float = 0.05, forced: list[bool] | None = None) -> StepPlan:
+              min_gain: float = 0.05, forced: list[bool] | None = None,
+              cost_scale: CostScale | None = None) -> StepPlan:
     """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan.
 
     Besides the budget, the plan picks which requests draft at all: a drafter pass has a cost of
@@ -107,7 +110,9 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
     result is verify-all (every request drafts, R·γ verified) unless the plan is predicted to gain
     at least `min_gain` in tokens per millisecond; likewise a plan that drafts is preferred to
     drafting nothing only when it gains `min_gain` over it. Steps larger than the table are priced
-    along its last measured slope.
+    along its last measured slope. `cost_scale`, when given, multiplies each plan's predicted
+    cost by what steps of its kind and size took lately over what the table said
+    (`CostCorrection.scale`).
     """
     r_all, gamma = survival.shape
     full = r_all * gamma
@@ -126,7 +131,12 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
     gain = num_sampling + torch.cat([torch.zeros(len(sizes), 1), slots.cumsum(1)], 1)      # [C, B]
     verify = table.verify_costs(other_tokens, other_tokens + full + 1)                    # [B]
     draft = table.draft_costs(sizes)                                                      # [C]
-    rate = gain / (draft[:, None] + verify[None, :])                           # [C, B]
+    cost = draft[:, None] + verify[None, :]                                    # [C, B]
+    if cost_scale is not None:
+        factor = cost_scale.drafted[None, :].expand_as(cost).clone()
+        factor[sizes == 0] = cost_scale.plain
+        cost = cost * factor
+    rate = gain / cost                                                          # [C, B]
     rate[torch.arange(full + 1)[None, :] > sizes[:, None] * gamma] = -torch.inf    # undrafted slots
     best = int(rate.flatten().argmax())                                        # first maximum
     size, budget = int(sizes[best // (full + 1)]), best % (full + 1)

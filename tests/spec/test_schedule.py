@@ -36,6 +36,9 @@ class ForcedBudget:
     def record(self, seq, z, verified, accepted):
         pass
 
+    def observe_step(self, tokens, draft_requests, measured_ms):
+        pass
+
 
 def forced(llm, budget: int, skip_every: int = 0) -> ForcedBudget:
     llm.engine.confidence_scheduler = ForcedBudget(budget, skip_every)
@@ -128,6 +131,9 @@ def test_planner_in_the_loop_is_lossless(tmp_path_factory, target_dir, reference
     assert table.max_tokens == 64 and table.max_requests == 16
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     assert llm.engine.worker.trim_fallbacks == 0
+    steps = llm.engine.confidence_scheduler.cost_correction.steps     # every step was timed
+    rounds = llm.engine.spec_stats.draft_rounds
+    assert 0 < int(steps[1].sum()) <= rounds and int(steps[0].sum()) > 0      # drafted, plain
 
 
 def test_a_steep_cost_table_trims_verification_losslessly(tmp_path_factory, target_dir, reference):
@@ -141,8 +147,8 @@ def test_a_steep_cost_table_trims_verification_losslessly(tmp_path_factory, targ
     CostTable(fingerprint=full.engine.cost_fingerprint(),
               verify_ms=[0.0] + [1.0 + 10.0 * t for t in range(1, 65)],
               draft_ms=[0.0] + [1.0] * 16).save(path)
-    llm = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16,
-                   spec_schedule="confidence", cost_table=path, confidence_lag=1)
+    llm = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16,    # the table's word
+                   spec_schedule="confidence", cost_table=path, confidence_lag=1, cost_correction=False)
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     trimmed, verify_all = llm.engine.spec_stats, full.engine.spec_stats
     assert 0 < trimmed.verified_tokens < verify_all.verified_tokens
@@ -162,7 +168,8 @@ def test_drafting_that_cannot_pay_is_skipped_but_probed(tmp_path_factory, target
         CostTable(fingerprint=probe.engine.cost_fingerprint(), verify_ms=[0.0] + [10.0] * 64,
                   draft_ms=[0.0] + [draft_ms * r for r in range(1, 17)]).save(path)
         llm = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16,
-                       spec_schedule="confidence", cost_table=path, probe_interval=4)
+                       spec_schedule="confidence", cost_table=path, probe_interval=4,
+                       cost_correction=False)           # the table's word, not the tiny model's
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == reference
         return llm.engine.spec_stats, [o.spec for o in outs]

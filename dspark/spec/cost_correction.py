@@ -1,0 +1,81 @@
+"""Online correction of the cost table: what steps of each kind and size actually took.
+
+A cost table is measured once, and a shared machine does not stay as it was: when neighbours
+load it, memory-bound small steps and compute-bound large ones slow down by different factors
+(on this project's 2-core CPU a profile taken under load priced a 4-request drafted step at
+1.45x a plain one, where the steps served minutes later took 1.7-2x). The planner weighs a plain
+step of R tokens against a drafted one of R + b tokens plus a drafter pass, so a drift that
+scales the two differently flips its decisions. So every step's wall time is compared with what
+the table predicted for its shape, per kind (plain or drafted) and size class (the powers of two
+of the tokens the target ran), in exponentially decayed sums, and the planner multiplies a
+plan's predicted cost by the ratio of its kind and class. Kinds are kept apart because a step's
+time is measured whole: a drafter pass mispriced by the table must not reprice plain steps of
+the same size. A class never seen takes the ratio of the nearest one of its kind that was, and
+a kind never seen keeps the table's word: the first drafted steps, and the probes that keep every
+request's confidences current, teach the drafted classes. Only past steps enter, so a plan still
+cannot depend on the drafts it will admit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+MAX_CLASSES = 32          # size class c holds the steps of 2^(c-1) < tokens <= 2^c
+PLAIN, DRAFTED = 0, 1     # the kinds of step
+
+
+def size_class(tokens: int) -> int:
+    """1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3, ...: the class a step of `tokens` tokens counts in."""
+    return min(MAX_CLASSES - 1, math.ceil(math.log2(max(1, tokens))))
+
+
+@dataclass
+class CostScale:
+    """By how much a step will cost more than the table says, for one planning decision."""
+    plain: float                   # the step with no drafter pass (other tokens only)
+    drafted: torch.Tensor          # [B] a drafted step verifying b = 0..B-1 drafts
+
+
+class CostCorrection:
+    def __init__(self, decay: float = 0.9, prior_steps: float = 2.0):
+        if not 0.0 < decay <= 1.0 or prior_steps <= 0:
+            raise ValueError(f"decay must be in (0, 1] and prior_steps > 0, got {decay}, {prior_steps}")
+        self.decay = decay
+        self.ratio_sum = torch.full((2, MAX_CLASSES), prior_steps, dtype=torch.float64)  # Σ measured/predicted
+        self.weight = torch.full((2, MAX_CLASSES), prior_steps, dtype=torch.float64)     # Σ steps
+        self.steps = torch.zeros((2, MAX_CLASSES), dtype=torch.long)                     # steps seen
+
+    def observe(self, tokens: int, drafted: bool, predicted_ms: float, measured_ms: float) -> None:
+        """One step that ran `tokens` target tokens (after a drafter pass when `drafted`): the
+        table said `predicted_ms`, it took `measured_ms`."""
+        if tokens < 1 or not predicted_ms > 0 or not measured_ms > 0:
+            return
+        kind, c = int(drafted), size_class(tokens)
+        self.ratio_sum[kind, c] = self.decay * self.ratio_sum[kind, c] + measured_ms / predicted_ms
+        self.weight[kind, c] = self.decay * self.weight[kind, c] + 1.0
+        self.steps[kind, c] += 1
+
+    @property
+    def ratios(self) -> torch.Tensor:
+        """[2, MAX_CLASSES] measured / predicted per kind and size class. A class not seen takes
+        the ratio of the nearest class of its kind that was (the smaller on a tie): drift is
+        smooth across sizes. A kind with no step seen keeps the table's word, 1."""
+        ratios = (self.ratio_sum / self.weight).float()
+        classes = torch.arange(MAX_CLASSES)
+        for kind in (PLAIN, DRAFTED):
+            seen = classes[self.steps[kind] > 0]
+            if len(seen) and len(seen) < MAX_CLASSES:
+                nearest = seen[(classes[:, None] - seen[None, :]).abs().argmin(dim=1)]
+                ratios[kind] = ratios[kind, nearest]
+        return ratios
+
+    def scale(self, other_tokens: int, max_budget: int) -> CostScale:
+        """The factors for a step of `other_tokens` plus a verify budget of 0..max_budget."""
+        tokens = torch.arange(other_tokens, other_tokens + max_budget + 1, dtype=torch.float64)
+        classes = tokens.clamp(min=1.0).log2().ceil().long().clamp(max=MAX_CLASSES - 1)  # size_class
+        ratios = self.ratios
+        return CostScale(plain=float(ratios[PLAIN, size_class(other_tokens)]),
+                         drafted=ratios[DRAFTED, classes])
