@@ -47,6 +47,7 @@ class CostCorrection:
         self.ratio_sum = torch.full((2, MAX_CLASSES), prior_steps, dtype=torch.float64)  # Σ measured/predicted
         self.weight = torch.full((2, MAX_CLASSES), prior_steps, dtype=torch.float64)     # Σ steps
         self.steps = torch.zeros((2, MAX_CLASSES), dtype=torch.long)                     # steps seen
+        self._ratios: torch.Tensor | None = None                                         # cache
 
     def observe(self, tokens: int, drafted: bool, predicted_ms: float, measured_ms: float) -> None:
         """One step that ran `tokens` target tokens (after a drafter pass when `drafted`): the
@@ -57,12 +58,18 @@ class CostCorrection:
         self.ratio_sum[kind, c] = self.decay * self.ratio_sum[kind, c] + measured_ms / predicted_ms
         self.weight[kind, c] = self.decay * self.weight[kind, c] + 1.0
         self.steps[kind, c] += 1
+        self._ratios = None
 
     @property
     def ratios(self) -> torch.Tensor:
         """[2, MAX_CLASSES] measured / predicted per kind and size class. A class not seen takes
         the ratio of the nearest class of its kind that was (the smaller on a tie): drift is
         smooth across sizes. A kind with no step seen keeps the table's word, 1."""
+        if self._ratios is None:
+            self._ratios = self._nearest_seen()
+        return self._ratios
+
+    def _nearest_seen(self) -> torch.Tensor:
         ratios = (self.ratio_sum / self.weight).float()
         classes = torch.arange(MAX_CLASSES)
         for kind in (PLAIN, DRAFTED):

@@ -37,6 +37,18 @@ class CostTable:
             raise ValueError("a cost table needs verify costs for t >= 1 and draft costs for r >= 1")
         if any(not c > 0 for c in self.verify_ms[1:] + self.draft_ms[1:]):
             raise ValueError("cost table entries must be positive")
+        self._tensors: dict[str, tuple[list[float], torch.Tensor]] = {}
+
+    def _costs(self, name: str) -> torch.Tensor:
+        """The list `name` as a tensor, converted once per list (the planner prices every step;
+        converting a 1,000-entry list each time cost ~0.1 ms). A list assigned anew is converted
+        again; entries are not to be changed in place."""
+        costs = getattr(self, name)
+        cached = self._tensors.get(name)
+        if cached is None or cached[0] is not costs:
+            cached = (costs, torch.tensor(costs, dtype=torch.float32))
+            self._tensors[name] = cached
+        return cached[1]
 
     @property
     def max_tokens(self) -> int:
@@ -49,11 +61,11 @@ class CostTable:
     def verify_costs(self, start: int, stop: int) -> torch.Tensor:
         """[stop - start] verify cost of t = start..stop-1 tokens; past the table, the last
         measured slope (a larger step never costs less)."""
-        return _extrapolated(self.verify_ms, start, stop)
+        return _extrapolated(self._costs("verify_ms"), start, stop)
 
     def draft_costs(self, sizes: torch.Tensor) -> torch.Tensor:
         """Drafter cost for each request count in `sizes` (0 requests: no drafter pass)."""
-        costs = _extrapolated(self.draft_ms, 0, int(sizes.max()) + 1)
+        costs = _extrapolated(self._costs("draft_ms"), 0, int(sizes.max()) + 1)
         costs[0] = 0.0
         return costs[sizes]
 
@@ -149,11 +161,10 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
 
 
-def _extrapolated(costs: list[float], start: int, stop: int) -> torch.Tensor:
-    """costs[start:stop] from a table indexed 0..N, continued past N along its last stretch
+def _extrapolated(table: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """table[start:stop] from a table indexed 0..N, continued past N along its last stretch
     (from N/2 to N), so steps larger than anything profiled are still priced, and priced high."""
-    table = torch.tensor(costs, dtype=torch.float32)
-    n = len(costs) - 1
+    n = len(table) - 1
     idx = torch.arange(start, stop)
     inside = table[idx.clamp(max=n)]
     half = max(1, n // 2)

@@ -12,12 +12,12 @@ from dspark.spec.planner import CostTable, plan_step
 def test_size_classes_are_powers_of_two_and_scale_uses_the_same():
     assert [size_class(t) for t in (1, 2, 3, 4, 5, 8, 9, 16, 17, 512, 513)] == \
         [0, 1, 2, 2, 3, 3, 4, 4, 5, 9, 10]
-    corr = CostCorrection()
-    corr.ratio_sum[DRAFTED] = torch.arange(32, dtype=torch.float64) + 1.0    # ratio = class + 1
-    corr.weight[DRAFTED] = 1.0
-    corr.steps[DRAFTED] = 1
+    corr = CostCorrection(prior_steps=1e-9)
+    for c in range(11):                                   # drafted steps: ratio = class + 1
+        corr.observe(2 ** c, drafted=True, predicted_ms=10.0, measured_ms=10.0 * (c + 1))
     scale = corr.scale(other_tokens=3, max_budget=600)
-    assert scale.drafted.tolist() == [float(size_class(t) + 1) for t in range(3, 604)]
+    expected = [float(min(size_class(t), 10) + 1) for t in range(3, 604)]
+    assert scale.drafted.tolist() == pytest.approx(expected, rel=1e-6)
     assert scale.plain == 1.0
 
 
