@@ -13,18 +13,24 @@ time is measured whole: a drafter pass mispriced by the table must not reprice p
 the same size. A class never seen takes the ratio of the nearest one of its kind that was, and
 a kind never seen keeps the table's word: the first drafted steps, and the probes that keep every
 request's confidences current, teach the drafted classes. Only past steps enter, so a plan still
-cannot depend on the drafts it will admit.
+cannot depend on the drafts it will admit. A class that settles 2x or more off the table says,
+once, that the table is stale.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 MAX_CLASSES = 32          # size class c holds the steps of 2^(c-1) < tokens <= 2^c
 PLAIN, DRAFTED = 0, 1     # the kinds of step
+STALE_RATIO = 2.0         # a class this far off the table (either way) says: profile again
+STALE_STEPS = 32          # ... once it has seen this many steps
 
 
 def size_class(tokens: int) -> int:
@@ -48,6 +54,7 @@ class CostCorrection:
         self.weight = torch.full((2, MAX_CLASSES), prior_steps, dtype=torch.float64)     # Σ steps
         self.steps = torch.zeros((2, MAX_CLASSES), dtype=torch.long)                     # steps seen
         self._ratios: torch.Tensor | None = None                                         # cache
+        self.stale_warned = False
 
     def observe(self, tokens: int, drafted: bool, predicted_ms: float, measured_ms: float) -> None:
         """One step that ran `tokens` target tokens (after a drafter pass when `drafted`): the
@@ -59,6 +66,17 @@ class CostCorrection:
         self.weight[kind, c] = self.decay * self.weight[kind, c] + 1.0
         self.steps[kind, c] += 1
         self._ratios = None
+        self._warn_if_stale(kind, c)
+
+    def _warn_if_stale(self, kind: int, c: int) -> None:
+        """Correcting is no substitute for a table of this machine as it is: say so, once."""
+        ratio = float(self.ratio_sum[kind, c] / self.weight[kind, c])
+        if self.stale_warned or self.steps[kind, c] < STALE_STEPS or 1 / STALE_RATIO < ratio < STALE_RATIO:
+            return
+        self.stale_warned = True
+        logger.warning("%s steps of %d-%d tokens take %.2fx what the cost table says; planning "
+                       "corrects for it, but the table looks stale: run `dspark profile` again",
+                       "drafted" if kind == DRAFTED else "plain", 2 ** (c - 1) + 1 if c else 1, 2 ** c, ratio)
 
     @property
     def ratios(self) -> torch.Tensor:

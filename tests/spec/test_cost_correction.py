@@ -90,3 +90,18 @@ def test_drafted_steps_slower_than_the_table_says_turn_the_planner_plain():
             sched.observe_step(tokens=4, draft_requests=0, measured_ms=10.0)
             sched.observe_step(tokens=8, draft_requests=4, measured_ms=24.0)
         assert any(sched.plan(batch).drafted) != correct
+
+
+def test_a_class_far_off_the_table_warns_once_that_it_is_stale(caplog):
+    corr = CostCorrection()
+    for _ in range(40):
+        corr.observe(8, drafted=False, predicted_ms=10.0, measured_ms=15.0)    # 1.5x: within reason
+    assert not corr.stale_warned
+    with caplog.at_level("WARNING", logger="dspark.spec.cost_correction"):
+        for _ in range(40):
+            corr.observe(100, drafted=True, predicted_ms=10.0, measured_ms=30.0)
+            corr.observe(3, drafted=False, predicted_ms=10.0, measured_ms=2.0)
+    assert corr.stale_warned
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "drafted steps of 65-128 tokens take 2.9" in warnings[0]
+    assert "dspark profile" in warnings[0]
