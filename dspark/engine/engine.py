@@ -272,13 +272,12 @@ class Engine:
 
     def run_step(self, prepared: PreparedStep, key: StepKey | None = None) -> list[RequestOutput]:
         """Run a prepared step (at the group's agreed key under data parallelism) and commit it."""
-        if self.confidence_scheduler is None:
-            return self._commit(prepared.sched, self.worker.execute(prepared.batch, key))
-        _, tokens, draft_requests, _ = self.worker.step_shape(prepared.batch)
         began = time.perf_counter()
         result = self.worker.execute(prepared.batch, key)       # ends in the step's one host copy
-        self.confidence_scheduler.observe_step(tokens, draft_requests,
-                                               (time.perf_counter() - began) * 1e3)
+        if self.confidence_scheduler is not None:
+            _, tokens, draft_requests, _ = self.worker.step_shape(prepared.batch)
+            self.confidence_scheduler.observe_step(tokens, draft_requests,
+                                                   (time.perf_counter() - began) * 1e3)
         return self._commit(prepared.sched, result)
 
     def _leave_undrafted(self, scheduled: list[ScheduledRequest], drafted: list[bool]) -> None:

@@ -2,10 +2,9 @@
 
 A cost table is measured once, and a shared machine does not stay as it was: when neighbours
 load it, memory-bound small steps and compute-bound large ones slow down by different factors
-(on this project's 2-core CPU a profile taken under load priced a 4-request drafted step at
-1.45x a plain one, where the steps served minutes later took 1.7-2x). The planner weighs a plain
-step of R tokens against a drafted one of R + b tokens plus a drafter pass, so a drift that
-scales the two differently flips its decisions. So every step's wall time is compared with what
+(on this project's 2-core CPU, under load, a batch-1 step took anywhere from 39 to 65 ms within
+minutes). The planner weighs a plain step of R tokens against a drafted one of R + b tokens
+plus a drafter pass, so a drift that scales the two differently flips its decisions. So every step's wall time is compared with what
 the table predicted for its shape, per kind (plain or drafted) and size class (the powers of two
 of the tokens the target ran), in exponentially decayed sums, and the planner multiplies a
 plan's predicted cost by the ratio of its kind and class. Kinds are kept apart because a step's

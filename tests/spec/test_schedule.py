@@ -136,6 +136,25 @@ def test_planner_in_the_loop_is_lossless(tmp_path_factory, target_dir, reference
     assert 0 < int(steps[1].sum()) <= rounds and int(steps[0].sum()) > 0      # drafted, plain
 
 
+def test_lossless_whatever_the_cost_correction_learns(tmp_path_factory, target_dir, reference):
+    """Step times fed to the cost correction scaled by random factors (0.05x to 20x): plans swing
+    between drafting, trimming and plain decoding, and the output stays the target's."""
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+    llm = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16,
+                   spec_schedule="confidence", cost_table="auto", min_gain=0.0)
+    corr = llm.engine.confidence_scheduler.cost_correction
+    observe, g = corr.observe, torch.Generator().manual_seed(0)
+
+    def skewed(tokens, drafted, predicted_ms, measured_ms):
+        observe(tokens, drafted, predicted_ms, measured_ms * float(20.0 ** (2 * torch.rand(1, generator=g) - 1)))
+
+    corr.observe = skewed
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    stats = llm.engine.spec_stats
+    assert stats.draft_rounds > 0 and stats.undrafted_steps > 0
+
+
 def test_a_steep_cost_table_trims_verification_losslessly(tmp_path_factory, target_dir, reference):
     """Each verified token costs 10x a step's floor: the planner verifies fewer drafts than
     verify-all does, and the output does not change."""
