@@ -4,10 +4,11 @@ A cost table is measured once, and a shared machine does not stay as it was: whe
 load it, memory-bound small steps and compute-bound large ones slow down by different factors
 (on this project's 2-core CPU, under load, a batch-1 step took anywhere from 39 to 65 ms within
 minutes). The planner weighs a plain step of R tokens against a drafted one of R + b tokens
-plus a drafter pass, so a drift that scales the two differently flips its decisions. So every step's wall time is compared with what
-the table predicted for its shape, per kind (plain or drafted) and size class (the powers of two
-of the tokens the target ran), in exponentially decayed sums, and the planner multiplies a
-plan's predicted cost by the ratio of its kind and class. Kinds are kept apart because a step's
+plus a drafter pass, so a drift that scales the two differently flips its decisions. So every
+step's wall time is compared with what the table predicted for its shape, per kind (plain or
+drafted) and size class (the powers of two of the tokens the target ran), in exponentially
+decayed sums, and the planner multiplies a plan's predicted cost by the ratio of its kind and
+class. Kinds are kept apart because a step's
 time is measured whole: a drafter pass mispriced by the table must not reprice plain steps of
 the same size. A class never seen takes the ratio of the nearest one of its kind that was, and
 a kind never seen keeps the table's word: the first drafted steps, and the probes that keep every
@@ -49,10 +50,11 @@ class CostCorrection:
         if not 0.0 < decay <= 1.0 or prior_steps <= 0:
             raise ValueError(f"decay must be in (0, 1] and prior_steps > 0, got {decay}, {prior_steps}")
         self.decay = decay
-        self.ratio_sum = torch.full((2, MAX_CLASSES), prior_steps, dtype=torch.float64)  # Σ measured/predicted
-        self.weight = torch.full((2, MAX_CLASSES), prior_steps, dtype=torch.float64)     # Σ steps
-        self.steps = torch.zeros((2, MAX_CLASSES), dtype=torch.long)                     # steps seen
-        self._ratios: torch.Tensor | None = None                                         # cache
+        shape = (2, MAX_CLASSES)                                         # [kind, size class]
+        self.ratio_sum = torch.full(shape, prior_steps, dtype=torch.float64)   # Σ measured/predicted
+        self.weight = torch.full(shape, prior_steps, dtype=torch.float64)      # Σ steps
+        self.steps = torch.zeros(shape, dtype=torch.long)                      # steps seen
+        self._ratios: torch.Tensor | None = None                               # cache of `ratios`
         self.stale_warned = False
 
     def observe(self, tokens: int, drafted: bool, predicted_ms: float, measured_ms: float) -> None:
@@ -70,7 +72,8 @@ class CostCorrection:
     def _warn_if_stale(self, kind: int, c: int) -> None:
         """Correcting is no substitute for a table of this machine as it is: say so, once."""
         ratio = float(self.ratio_sum[kind, c] / self.weight[kind, c])
-        if self.stale_warned or self.steps[kind, c] < STALE_STEPS or 1 / STALE_RATIO < ratio < STALE_RATIO:
+        settled = self.steps[kind, c] >= STALE_STEPS
+        if self.stale_warned or not settled or 1 / STALE_RATIO < ratio < STALE_RATIO:
             return
         self.stale_warned = True
         logger.warning("%s steps of %d-%d tokens take %.2fx what the cost table says; planning "

@@ -41,7 +41,7 @@ class CostTable:
 
     def _costs(self, name: str) -> torch.Tensor:
         """The list `name` as a tensor, converted once per list (the planner prices every step;
-        converting a 1,000-entry list each time cost ~0.1 ms). A list assigned anew is converted
+        converting a 1,025-entry list took 0.07 ms, twice a plan). A list assigned anew is converted
         again; entries are not to be changed in place."""
         costs = getattr(self, name)
         cached = self._tensors.get(name)

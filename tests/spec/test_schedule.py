@@ -147,7 +147,8 @@ def test_lossless_whatever_the_cost_correction_learns(tmp_path_factory, target_d
     observe, g = corr.observe, torch.Generator().manual_seed(0)
 
     def skewed(tokens, drafted, predicted_ms, measured_ms):
-        observe(tokens, drafted, predicted_ms, measured_ms * float(20.0 ** (2 * torch.rand(1, generator=g) - 1)))
+        factor = float(20.0 ** (2 * torch.rand(1, generator=g) - 1))
+        observe(tokens, drafted, predicted_ms, measured_ms * factor)
 
     corr.observe = skewed
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
