@@ -42,7 +42,7 @@ def load_drafter(path: str, target: ModelConfig, embed_tokens: nn.Embedding, lm_
     `max_positions` is the target's position-table size when it was loaded with a larger one
     than its config declares; the drafter's table covers it plus one block.
     """
-    raw = _read_config(path)
+    raw = read_drafter_config(path)
     cfg = drafter_config_from_hf(raw, target)
     if max_positions is not None and max_positions > cfg.max_position_embeddings:
         cfg = dataclasses.replace(cfg, max_position_embeddings=max_positions)
@@ -235,7 +235,7 @@ def _required(raw: dict[str, Any], key: str) -> Any:
     return raw[key]
 
 
-def _read_config(path: str) -> dict[str, Any]:
+def read_drafter_config(path: str) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"drafter path {path!r} does not exist or is not a folder")
     cfg_path = os.path.join(path, "config.json")

@@ -137,10 +137,7 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
     rank = torch.empty_like(order)
     rank[order] = torch.arange(r_all)
     sizes = torch.arange(int(must.sum()), r_all + 1)                           # [C] draft-set sizes
-    member = rank[None, :] < sizes[:, None]                                    # [C, R]
-    slots = torch.where(member[:, :, None], s[None], 0.0).flatten(1)
-    slots = slots.sort(dim=1, descending=True).values                          # [C, R·γ]
-    gain = num_sampling + torch.cat([torch.zeros(len(sizes), 1), slots.cumsum(1)], 1)      # [C, B]
+    gain = num_sampling + _set_prefix_sums(s, rank, sizes)                     # [C, B]
     verify = table.verify_costs(other_tokens, other_tokens + full + 1)                    # [B]
     draft = table.draft_costs(sizes)                                                      # [C]
     cost = draft[:, None] + verify[None, :]                                    # [C, B]
@@ -159,6 +156,23 @@ def plan_step(survival: torch.Tensor, table: CostTable, num_sampling: int, other
     if not (best_rate > full_rate and best_rate >= (1.0 + min_gain) * full_rate):
         size, budget = r_all, full
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
+
+
+def _set_prefix_sums(s: torch.Tensor, rank: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """[C, R·γ + 1]: for each draft set (the sizes[c] requests of lowest rank), the sums of its b
+    largest survivals, b = 0..R·γ (members past the set's own slots add 0).
+
+    One sort of all R·γ survivals serves every set: a set's slots in descending order are the
+    global order's slots whose request belongs to it, so each set is a masked running sum
+    compacted by a scatter (at 64 requests, 20x cheaper than sorting each set's slots)."""
+    r_all, gamma = s.shape
+    n = r_all * gamma
+    values, order = s.flatten().sort(descending=True)                          # [R·γ]
+    owner = rank.repeat_interleave(gamma)[order]                                # [R·γ]
+    member = owner[None, :] < sizes[:, None]                                    # [C, R·γ]
+    slot = torch.where(member, member.cumsum(1) - 1, n)                         # non-members: column n
+    compact = torch.zeros(len(sizes), n + 1).scatter_(1, slot, values.expand(len(sizes), n))
+    return torch.cat([torch.zeros(len(sizes), 1), compact[:, :n].cumsum(1)], 1)
 
 
 def _extrapolated(table: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -53,6 +53,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                     choices=["vanilla", "gated", "rnn"])
     tr.add_argument("--target-layer-ids", default=None,
                     help="comma-separated target layer outputs (default: 5 spread, not the last)")
+    tr.add_argument("--init-from", default=None, metavar="DRAFTER",
+                    help="start a new run from this exported full-vocabulary drafter's weights "
+                         "and architecture")
     tr.add_argument("--no-bf16", dest="bf16", action="store_const", const=False, default=None,
                     help="train in fp32 (slower on CPU)")
 
@@ -93,7 +96,7 @@ def generate_config(args) -> GenerateConfig:
 def train_config(args) -> TrainConfig:
     """TrainConfig defaults, overridden by the run's saved config, overridden by explicit flags,
     so rerunning a bare `--out DIR` continues with the settings the run started with."""
-    from dspark.train.trainer import TrainConfig, read_saved_config
+    from dspark.train.trainer import ARCH_FIELDS, TrainConfig, read_saved_config
     fields = {"out_dir": args.out}
     saved = read_saved_config(args.out) or {}
     fields.update({k: v for k, v in saved.items() if k != "out_dir"})
@@ -104,6 +107,12 @@ def train_config(args) -> TrainConfig:
     explicit["model"] = args.model
     if args.target_layer_ids:
         explicit["target_layer_ids"] = tuple(int(x) for x in args.target_layer_ids.split(","))
+    if args.init_from:
+        arch = [k for k in ARCH_FIELDS if k != "model" and explicit.get(k) is not None]
+        if arch:
+            raise ValueError(f"--init-from takes the architecture from the drafter; drop the "
+                             f"flags for {arch}")
+        explicit["init_from"] = args.init_from
     changed = {k: (saved[k], v) for k, v in explicit.items()
                if v is not None and k in saved and saved[k] != v}
     if changed:

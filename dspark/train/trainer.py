@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from dspark.config import DTYPES
 from dspark.models.drafter import Drafter, DrafterConfig
-from dspark.models.drafter_loader import save_speculators
+from dspark.models.drafter_loader import (drafter_config_from_hf, load_drafter,
+                                          read_drafter_config, save_speculators)
 from dspark.models.loader import LoadedTarget, load_target
 from dspark.models.model_config import ModelConfig
 from dspark.train.data import EpochSampler, Sample, atomic_save, load_samples
@@ -53,6 +54,7 @@ class TrainConfig:
     markov_head_type: str = "vanilla"
     target_layer_ids: tuple[int, ...] | None = None   # None: default_target_layer_ids(n, 5)
     mask_token_id: int | None = None                  # None: pick_mask_token_id
+    init_from: str | None = None           # a full-vocabulary drafter (speculators format) to start from
     # optimisation
     lr: float = 6e-4
     weight_decay: float = 0.0
@@ -153,6 +155,14 @@ def init_drafter(drafter: Drafter, seed: int) -> None:
         torch.nn.init.zeros_(drafter.markov_head.markov_w2.weight)
 
 
+def init_arch_fields(path: str, target: ModelConfig) -> dict:
+    """The TrainConfig architecture fields of the exported drafter in `path`."""
+    cfg = drafter_config_from_hf(read_drafter_config(path), target)
+    return {"block_size": cfg.block_size, "num_draft_layers": cfg.num_layers,
+            "markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
+            "target_layer_ids": tuple(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
+
+
 def lr_lambda(step: int, total: int, warmup_fraction: float) -> float:
     """Linear warm-up over the first `warmup_fraction` of steps, then cosine to zero."""
     warmup = max(1, round(warmup_fraction * total))
@@ -177,6 +187,8 @@ class Trainer:
         self.drafter = Drafter(self.drafter_config, self.target.model.embed_tokens,
                                self.target.model.lm_head)
         init_drafter(self.drafter, self.cfg.seed)
+        if saved is None and self.cfg.init_from:
+            self._init_from(self.cfg.init_from)
         self.extractor = TargetFeatureExtractor(self.target.model, tcfg, self.cfg.target_layer_ids,
                                                 cache_bytes=int(self.cfg.feature_cache_gb * 2**30))
         self.train_samples: list[Sample] = []
@@ -211,22 +223,38 @@ class Trainer:
         return torch.load(path, weights_only=True) if os.path.isfile(path) else None
 
     def _resolve(self, cfg: TrainConfig, saved: dict | None) -> TrainConfig:
-        """Fill the target-dependent defaults; a checkpoint's architecture must match."""
+        """Fill the target-dependent defaults; a checkpoint's architecture must match (a run
+        started `init_from` a drafter has that drafter's, whatever the config's defaults say)."""
         tcfg = self.target.config
         cfg = dataclasses.replace(cfg)
         if saved is not None:
             old = TrainConfig(**saved["config"])
             for name in ARCH_FIELDS:
                 new = getattr(cfg, name)
-                if new is not None and new != getattr(old, name):
+                if new is not None and new != getattr(old, name) and not (old.init_from and name != "model"):
                     raise ValueError(f"{cfg.out_dir} holds a checkpoint with {name}="
                                      f"{getattr(old, name)!r}, not {new!r}; use another --out")
                 setattr(cfg, name, getattr(old, name))
+        elif cfg.init_from:
+            for name, value in init_arch_fields(cfg.init_from, tcfg).items():
+                setattr(cfg, name, value)
         if cfg.target_layer_ids is None:
             cfg.target_layer_ids = default_target_layer_ids(tcfg.num_layers)
         if cfg.mask_token_id is None:
             cfg.mask_token_id = pick_mask_token_id(self.target.tokenizer, tcfg.vocab_size)
         return cfg
+
+    def _init_from(self, path: str) -> None:
+        """Start a new run from an exported drafter's weights (a warm start on more data or with a
+        new schedule); `_resolve` gave the run its architecture."""
+        source = load_drafter(path, self.target.config, self.target.model.embed_tokens, self.target.model.lm_head,
+                              torch.float32)
+        if source.config.uses_draft_vocab:
+            raise ValueError(f"--init-from {path}: a reduced draft vocabulary "
+                             f"({source.config.draft_vocab_size} tokens) cannot seed training; "
+                             f"start from the full-vocabulary export")
+        self.drafter.load_state_dict(source.state_dict())
+        logger.info("initialised the drafter from %s", path)
 
     def _warn_mask_in_data(self) -> None:
         hits = sum(int((s.tokens == self.cfg.mask_token_id).sum()) for s in self.train_samples)

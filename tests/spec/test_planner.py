@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark.spec.allocate import allocate
-from dspark.spec.planner import CostTable, plan_budget, plan_step
+from dspark.spec.planner import CostTable, _set_prefix_sums, plan_budget, plan_step
 
 TABLES = {
     "flat": lambda t: 10.0,
@@ -172,3 +172,20 @@ def test_drafting_must_beat_a_plain_step_by_min_gain():
     t.draft_ms = [0.0, 4.6, 9.2]          # (2 + 1) / 14.6 = 0.205: 2.7% over plain
     assert plan_step(s, t, 2, 2, min_gain=0.0).drafted == [False, True]
     assert plan_step(s, t, 2, 2, min_gain=0.05).drafted == [False, False]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_set_prefix_sums_equal_sorting_each_sets_slots(seed):
+    g = torch.Generator().manual_seed(seed)
+    r, gamma = 9, 5
+    s = torch.rand(r, gamma, generator=g).cumprod(1)
+    s[2] = s[5]                                             # ties across requests
+    rank = torch.randperm(r, generator=g)
+    sizes = torch.arange(2, r + 1)
+    sums = _set_prefix_sums(s, rank, sizes)
+    assert sums.shape == (len(sizes), r * gamma + 1)
+    for c, size in enumerate(sizes.tolist()):
+        own = s[rank < size].flatten().sort(descending=True).values
+        expected = torch.cat([torch.zeros(1), own.cumsum(0)])
+        assert torch.allclose(sums[c, :len(expected)], expected)
+        assert torch.allclose(sums[c, len(expected):], expected[-1].expand(r * gamma + 1 - len(expected)))

@@ -187,6 +187,33 @@ def test_export_loads_back_with_identical_logits(tiny_run, head):
     assert torch.equal(rows.corrected(), logits) and torch.equal(rows.conf_logits, conf)
 
 
+def test_init_from_starts_a_new_run_from_an_exported_drafter(tiny_run):
+    source = Trainer(config(tiny_run, "init_source", steps=3, num_draft_layers=2, markov_rank=4))
+    source.train(use_tqdm=False)
+    path = source.export(str(tiny_run.root / "init_exported"), torch.float32)
+    # the defaults (1 layer, rank 8 in `config`) give way to the drafter's architecture
+    warm = Trainer(config(tiny_run, "init_warm", init_from=path))
+    assert (warm.cfg.num_draft_layers, warm.cfg.markov_rank) == (2, 4) and warm.step == 0
+    theirs, ours = params_of(source), params_of(warm)
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    cold = Trainer(config(tiny_run, "init_cold", num_draft_layers=2, markov_rank=4, seed=1))
+    assert not torch.equal(params_of(cold)["fc.weight"], ours["fc.weight"])
+    warm.train(use_tqdm=False)                # a checkpoint now exists: resuming loads it, not path
+    resumed = Trainer(config(tiny_run, "init_warm", init_from=path))
+    assert resumed.step == warm.step
+    assert all(torch.equal(v, params_of(warm)[k]) for k, v in params_of(resumed).items())
+
+
+def test_init_from_refuses_a_reduced_draft_vocabulary(tiny_run, tmp_path):
+    from dspark.models.drafter_loader import save_speculators
+    from dspark.train.prune_vocab import prune_drafter
+    trainer = Trainer(config(tiny_run, "init_reduced", steps=1))
+    small = prune_drafter(trainer.drafter, torch.arange(0, 96, 3))
+    save_speculators(small, str(tmp_path / "reduced"))
+    with pytest.raises(ValueError, match="reduced draft vocabulary"):
+        Trainer(config(tiny_run, "init_reduced_2", init_from=str(tmp_path / "reduced")))
+
+
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
 def test_every_markov_head_trains(tiny_run, head):
     trainer = Trainer(config(tiny_run, f"head_{head}", steps=2, markov_head_type=head))
