@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from dspark.models.layers.attention import AttentionMetadata
+from dspark.models.layers.attention import AttentionMetadata, AttentionPart
 
 
 @dataclass
@@ -57,8 +58,43 @@ def _padded_tables(chunks: list[RequestChunk]) -> torch.Tensor:
     return out
 
 
+SPLIT_MIN_Q = 16     # a step whose longest query is at least this, beside one-token rows, is split
+
+
 def _metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables: torch.Tensor,
               slots: torch.Tensor, block_size: int, window: int | None) -> AttentionMetadata:
+    meta = _request_metadata(q_lens, starts, ctx_lens, tables, block_size, window)
+    valid = slots >= 0
+    all_valid = bool(valid.all())
+    return dataclasses.replace(
+        meta, write_rows=None if all_valid else valid.nonzero().flatten(),
+        write_slots=slots if all_valid else slots[valid],
+        parts=_parts(q_lens, starts, ctx_lens, tables, block_size, window))
+
+
+def _parts(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables: torch.Tensor,
+           block_size: int, window: int | None) -> tuple[AttentionPart, ...] | None:
+    """One-token rows and the longer queries as two groups, when a long query (a prefill chunk)
+    shares the step with one-token rows: each group is padded to its own longest query and
+    context. Verify blocks (a few rows each) stay with the step's one padded call."""
+    if max(q_lens) < SPLIT_MIN_Q or min(q_lens) > 1:
+        return None
+    offsets = [0]
+    for q in q_lens:
+        offsets.append(offsets[-1] + q)
+    parts = []
+    for group in ([i for i, q in enumerate(q_lens) if q == 1], [i for i, q in enumerate(q_lens) if q > 1]):
+        pick = lambda xs: [xs[i] for i in group]  # noqa: E731
+        rows = torch.tensor([j for i in group for j in range(offsets[i], offsets[i + 1])])
+        meta = _request_metadata(pick(q_lens), pick(starts), pick(ctx_lens), tables[group],
+                                 block_size, window)
+        parts.append(AttentionPart(rows=rows, meta=meta))
+    return tuple(parts)
+
+
+def _request_metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables: torch.Tensor,
+                      block_size: int, window: int | None) -> AttentionMetadata:
+    """What attention needs of these requests (query padding, mask, block tables); no writes."""
     r, max_q, max_ctx = len(q_lens), max(q_lens), max(ctx_lens)
     tables = tables[:, :-(-max_ctx // block_size)]
     uniform = all(q == max_q for q in q_lens)
@@ -71,14 +107,10 @@ def _metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables:
         causal = True
     elif windowed or max_q > 1 or any(c != max_ctx for c in ctx_lens):
         mask = _mask(q_lens, starts, max_q, max_ctx, window)
-    valid = slots >= 0
-    all_valid = bool(valid.all())
     return AttentionMetadata(
-        num_reqs=r, max_q=max_q,
-        write_rows=None if all_valid else valid.nonzero().flatten(),
-        write_slots=slots if all_valid else slots[valid],
-        block_tables=tables.clamp(min=0), block_size=block_size, kv_len=max_ctx, q_index=q_index, mask=mask,
-        is_causal=causal)
+        num_reqs=r, max_q=max_q, write_rows=None, write_slots=torch.zeros(0, dtype=torch.long),
+        block_tables=tables.clamp(min=0), block_size=block_size, kv_len=max_ctx, q_index=q_index,
+        mask=mask, is_causal=causal)
 
 
 def _mask(q_lens, starts, max_q, max_ctx, window) -> torch.Tensor:

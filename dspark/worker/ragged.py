@@ -59,7 +59,8 @@ def trim_inputs(inputs: StepInputs, layout: RowLayout, verify_lens: torch.Tensor
     new_row = keep.long().cumsum(0) - 1                                            # [T]
     logits_keep = _first_true(keep[inputs.logits_indices], inputs.logits_indices.shape[0] - num_dropped)
     q_index = attn.q_index if attn.q_index is not None else torch.arange(total, device=keep.device)
-    trimmed_attn = dataclasses.replace(attn, write_slots=attn.write_slots[rows], q_index=q_index[rows])
+    trimmed_attn = dataclasses.replace(attn, write_slots=attn.write_slots[rows], q_index=q_index[rows],
+                                       parts=None)         # the parts' rows are the untrimmed ones
     q_lens = inputs.qo_indptr.diff()
     spec = layout.chunk_spec
     dropped = torch.where(spec >= 0, q_lens - 1 - verify_lens[spec.clamp(min=0)], 0)

@@ -28,3 +28,47 @@ def test_logits_rows_and_offsets():
     assert inp.qo_indptr.tolist() == [0, 4, 5, 8]
     assert inp.logits_indices.tolist() == [4, 5, 6, 7]
     assert inp.positions.tolist() == [0, 1, 2, 3, 9, 5, 6, 7]
+
+
+def _reference_attention(q, k_cache, v_cache, chunks, block_size, scale):
+    """Each request alone: causal attention of its rows over its own context, in fp32."""
+    out, row = [], 0
+    for c in chunks:
+        n = c.start + len(c.token_ids)
+        slots = torch.tensor([c.block_table[p // block_size] * block_size + p % block_size for p in range(n)])
+        keys, values = k_cache[slots].float(), v_cache[slots].float()      # [n, KVH, D]
+        for j in range(len(c.token_ids)):
+            qi = q[row + j].float()                                         # [H, D]
+            group = qi.shape[0] // keys.shape[1]
+            k = keys[: c.start + j + 1].repeat_interleave(group, 1)         # [L, H, D]
+            v = values[: c.start + j + 1].repeat_interleave(group, 1)
+            p = torch.softmax(torch.einsum("hd,lhd->hl", qi, k) * scale, -1)
+            out.append(torch.einsum("hl,lhd->hd", p, v).flatten())
+        row += len(c.token_ids)
+    return torch.stack(out)
+
+
+def test_a_prefill_chunk_beside_decode_rows_is_attended_in_two_groups():
+    from dspark.models.layers.attention import paged_attention
+    from dspark.worker.inputs import SPLIT_MIN_Q
+    g = torch.Generator().manual_seed(0)
+    bs, heads, kv_heads, d = 4, 4, 2, 8
+    chunks = [RequestChunk([1], 21, [0, 1, 2, 3, 4, 5], 1),
+              RequestChunk(list(range(SPLIT_MIN_Q + 3)), 2, [6, 7, 8, 9, 10, 11], 1),
+              RequestChunk([3], 6, [12, 13], 1)]
+    inp = build_inputs(chunks, bs, torch.device("cpu"))
+    parts = inp.attn.parts
+    assert parts is not None and [p.rows.tolist() for p in parts] == [[0, 20], list(range(1, 20))]
+    assert [p.meta.max_q for p in parts] == [1, SPLIT_MIN_Q + 3] and parts[0].meta.kv_len == 22
+    k_cache = torch.randn(14 * bs, kv_heads, d, generator=g)
+    v_cache = torch.randn(14 * bs, kv_heads, d, generator=g)
+    q = torch.randn(inp.input_ids.shape[0], heads, d, generator=g)
+    split = paged_attention(q, k_cache, v_cache, inp.attn, 0.3)
+    import dataclasses
+    whole = paged_attention(q, k_cache, v_cache, dataclasses.replace(inp.attn, parts=None), 0.3)
+    ref = _reference_attention(q, k_cache, v_cache, chunks, bs, 0.3)
+    assert torch.allclose(split, ref, atol=1e-5) and torch.allclose(whole, ref, atol=1e-5)
+    # verify-sized blocks beside decode rows, or a step of long queries only, stay one call
+    assert build_inputs(chunks[:1] + [RequestChunk([1] * 8, 2, [6, 7, 8], 8)], bs,
+                        torch.device("cpu")).attn.parts is None
+    assert build_inputs(chunks[1:2], bs, torch.device("cpu")).attn.parts is None

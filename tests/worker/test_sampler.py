@@ -85,3 +85,55 @@ def test_candidate_truncation_equals_full_sort(monkeypatch, scale, top_k, top_p)
     monkeypatch.setattr(sampler, "CANDIDATES", 10**9)
     full = processed_probs(logits, st)
     assert torch.allclose(fast, full, atol=1e-6)
+
+
+def test_candidate_sampling_matches_the_full_vocabulary_distribution():
+    """A vocabulary larger than the candidate window, truncated by top-p inside it: `sample`
+    draws from the candidates only, and its empirical distribution is processed_probs'."""
+    from dspark.worker.sampler import CANDIDATES, candidate_probs
+    v, n = CANDIDATES * 4, 20000
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(v, generator=g) * 0.5
+    row[:6] += torch.tensor([9.0, 8.5, 8.0, 7.0, 6.5, 6.0])         # mass concentrated on a few
+    params = [SamplingParams(temperature=0.8, top_p=0.9)] * n
+    st = SamplingTensors.build(params, [None] * n, v, torch.device("cpu"))
+    logits = row.expand(n, v).contiguous()
+    full = processed_probs(logits[:1], st.select([0]))[0]
+    sparse = candidate_probs(logits[:1], st.select([0]))
+    assert sparse is not None
+    probs, index = sparse
+    dense = torch.zeros(v).index_put_((index[0],), probs[0])
+    assert torch.allclose(dense, full, atol=1e-6)
+    counts = torch.bincount(sample(logits, st), minlength=v).float() / n
+    support = full > 0
+    assert counts[~support].sum() == 0                               # never outside top-p
+    tv = 0.5 * (counts - full).abs().sum().item()
+    bound = 4 * 0.5 * sum(math.sqrt(p * (1 - p) / n) for p in full[support].tolist())
+    assert tv < bound, (tv, bound)
+
+
+def test_candidate_sampling_falls_back_when_the_kept_set_is_wider():
+    from dspark.worker.sampler import CANDIDATES, candidate_probs
+    v = CANDIDATES * 4
+    flat = torch.zeros(2, v)                                         # top-p 0.9 keeps 90% of v
+    st = tensors([SamplingParams(temperature=1.0, top_p=0.9)] * 2, vocab=v)
+    assert candidate_probs(flat, st) is None
+    tokens = sample(flat, st)
+    assert tokens.shape == (2,) and bool((tokens < v).all())
+    # greedy rows never block the candidate path
+    mixed = tensors([SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3)], vocab=v)
+    logits = torch.randn(2, v)
+    assert candidate_probs(logits, mixed) is not None
+    out = sample(logits, mixed)
+    assert int(out[0]) == int(logits[0].argmax()) and int(out[1]) in logits[1].topk(3).indices.tolist()
+
+
+def test_seeded_rows_draw_their_noise_from_their_own_generator_once():
+    from dspark.worker.sampler import exponential_noise
+    gens = [torch.Generator().manual_seed(3), None, torch.Generator().manual_seed(4)]
+    noise = exponential_noise((3, 50), gens, torch.device("cpu"))
+    for row, seed in ((0, 3), (2, 4)):
+        ref = torch.empty(50).exponential_(generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(noise[row], ref)
+    assert bool((noise[1] > 0).all())
+    assert not gens[0].get_state().equal(torch.Generator().manual_seed(3).get_state())   # consumed

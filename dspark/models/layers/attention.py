@@ -28,12 +28,25 @@ class AttentionMetadata:
     mask: torch.Tensor | None             # [R, 1, max_q, L] True = attend; None = attend all
     is_causal: bool = False               # single request, fresh prefill: plain causal SDPA
     num_tokens: int | None = None         # live rows; rows past them are bucket padding (None: all)
+    parts: tuple["AttentionPart", ...] | None = None   # a mixed step attended group by group
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+        parts = None if self.parts is None else tuple(
+            AttentionPart(move(p.rows), p.meta.to(device)) for p in self.parts)
         return dataclasses.replace(
             self, write_rows=move(self.write_rows), write_slots=move(self.write_slots),
-            block_tables=move(self.block_tables), q_index=move(self.q_index), mask=move(self.mask))
+            block_tables=move(self.block_tables), q_index=move(self.q_index), mask=move(self.mask),
+            parts=parts)
+
+
+@dataclass
+class AttentionPart:
+    """Some requests of a step with their own (smaller) padding: a step that mixes one-token
+    decode rows with a long prefill chunk would otherwise pad every decode row to the chunk's
+    length. The step's metadata still describes the whole step (K/V writes, trimming)."""
+    rows: torch.Tensor                    # [T_p] the step's token rows these requests own
+    meta: AttentionMetadata               # over these requests only; writes nothing
 
 
 def write_kv(cache: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor,
@@ -96,6 +109,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D] -> out [T, H*D]; the new K/V must already be in the cache."""
     t, h, d = q.shape
+    if meta.parts is not None:
+        out = q.new_empty(t, h * d)
+        for part in meta.parts:
+            out.index_copy_(0, part.rows, paged_attention(q.index_select(0, part.rows), k_cache,
+                                                          v_cache, part.meta, scale))
+        return out
     r = meta.num_reqs
     keys = gather_blocks(k_cache, meta.block_tables, meta.block_size, meta.kv_len)
     values = gather_blocks(v_cache, meta.block_tables, meta.block_size, meta.kv_len)
