@@ -63,13 +63,19 @@ SPLIT_MIN_Q = 16     # a step whose longest query is at least this, beside one-t
 
 def _metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables: torch.Tensor,
               slots: torch.Tensor, block_size: int, window: int | None) -> AttentionMetadata:
-    meta = _request_metadata(q_lens, starts, ctx_lens, tables, block_size, window)
+    parts = _parts(q_lens, starts, ctx_lens, tables, block_size, window)
+    if parts is None:
+        meta = _request_metadata(q_lens, starts, ctx_lens, tables, block_size, window)
+    else:        # attention reads the parts alone: no step-wide padded query or mask is built
+        meta = AttentionMetadata(num_reqs=len(q_lens), max_q=max(q_lens), write_rows=None,
+                                 write_slots=slots, block_tables=tables.clamp(min=0),
+                                 block_size=block_size, kv_len=max(ctx_lens), q_index=None,
+                                 mask=None, parts=parts)
     valid = slots >= 0
     all_valid = bool(valid.all())
     return dataclasses.replace(
         meta, write_rows=None if all_valid else valid.nonzero().flatten(),
-        write_slots=slots if all_valid else slots[valid],
-        parts=_parts(q_lens, starts, ctx_lens, tables, block_size, window))
+        write_slots=slots if all_valid else slots[valid])
 
 
 def _parts(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables: torch.Tensor,

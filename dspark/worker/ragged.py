@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.models.layers.attention import AttentionPart
 from dspark.worker.inputs import RequestChunk, StepInputs
 
 
@@ -50,7 +51,7 @@ def trim_inputs(inputs: StepInputs, layout: RowLayout, verify_lens: torch.Tensor
     the trimmed inputs and, for each kept logits row, its index in the untrimmed logits list.
     """
     attn = inputs.attn
-    if attn.write_rows is not None or attn.mask is None:
+    if attn.write_rows is not None or (attn.mask is None and attn.parts is None):
         raise ValueError("trimming needs every row to write K/V and a per-request mask")
     ell = verify_lens[layout.spec_index.clamp(min=0)]
     keep = (layout.spec_index < 0) | (layout.row_in_chunk <= ell)                  # [T]
@@ -59,8 +60,10 @@ def trim_inputs(inputs: StepInputs, layout: RowLayout, verify_lens: torch.Tensor
     new_row = keep.long().cumsum(0) - 1                                            # [T]
     logits_keep = _first_true(keep[inputs.logits_indices], inputs.logits_indices.shape[0] - num_dropped)
     q_index = attn.q_index if attn.q_index is not None else torch.arange(total, device=keep.device)
+    parts = None if attn.parts is None else tuple(
+        _trim_part(part, keep, new_row, num_dropped) for part in attn.parts)
     trimmed_attn = dataclasses.replace(attn, write_slots=attn.write_slots[rows], q_index=q_index[rows],
-                                       parts=None)         # the parts' rows are the untrimmed ones
+                                       parts=parts)
     q_lens = inputs.qo_indptr.diff()
     spec = layout.chunk_spec
     dropped = torch.where(spec >= 0, q_lens - 1 - verify_lens[spec.clamp(min=0)], 0)
@@ -69,6 +72,20 @@ def trim_inputs(inputs: StepInputs, layout: RowLayout, verify_lens: torch.Tensor
                          qo_indptr=indptr,
                          logits_indices=new_row[inputs.logits_indices[logits_keep]], attn=trimmed_attn)
     return trimmed, logits_keep
+
+
+def _trim_part(part: AttentionPart, keep: torch.Tensor, new_row: torch.Tensor, num_dropped: int
+               ) -> AttentionPart:
+    """A part's kept rows, renumbered. Only draft rows are dropped and those belong to blocks of
+    two rows or more, so all `num_dropped` rows come from the part of longer queries; the
+    one-token part keeps every row."""
+    dropped = num_dropped if part.meta.max_q > 1 else 0
+    kept = _first_true(keep[part.rows], part.rows.shape[0] - dropped)
+    q_index = part.meta.q_index
+    if q_index is None:
+        q_index = torch.arange(part.rows.shape[0], device=kept.device)
+    return AttentionPart(rows=new_row[part.rows[kept]],
+                         meta=dataclasses.replace(part.meta, q_index=q_index[kept]))
 
 
 def untrim_logits(logits: torch.Tensor, logits_keep: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -95,6 +95,27 @@ def test_budgeted_steps_staggered_and_preempted(tmp_path_factory, target_dir, re
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_budgeted_steps_beside_prefill_chunks_and_plain_rows(tmp_path_factory, target_dir, reference,
+                                                             monkeypatch):
+    """Staggered arrivals put prefill chunks of 16+ tokens beside undrafted one-token rows and
+    trimmed blocks: the step's attention runs in two groups, and trimming renumbers both."""
+    import dspark.worker.ragged as ragged
+    trimmed = Counter()
+    original = ragged._trim_part
+
+    def counting(part, keep, new_row, num_dropped):
+        trimmed["long" if part.meta.max_q > 1 else "one-token"] += 1
+        return original(part, keep, new_row, num_dropped)
+
+    monkeypatch.setattr(ragged, "_trim_part", counting)
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+    llm = make_llm(target_dir, d, max_num_batched_tokens=64)
+    forced(llm, 3, skip_every=3)
+    assert run_staggered(llm, prompts, params) == reference
+    assert trimmed["long"] > 0 and trimmed["one-token"] == trimmed["long"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget,skip_every", [(1, 0), (2, 0), (2, 2)])
 def test_sampling_lossless_under_a_budget(tmp_path_factory, budget, skip_every):

@@ -48,7 +48,7 @@ def _reference_attention(q, k_cache, v_cache, chunks, block_size, scale):
     return torch.stack(out)
 
 
-def test_a_prefill_chunk_beside_decode_rows_is_attended_in_two_groups():
+def test_a_prefill_chunk_beside_decode_rows_is_attended_in_two_groups(monkeypatch):
     from dspark.models.layers.attention import paged_attention
     from dspark.worker.inputs import SPLIT_MIN_Q
     g = torch.Generator().manual_seed(0)
@@ -64,11 +64,37 @@ def test_a_prefill_chunk_beside_decode_rows_is_attended_in_two_groups():
     v_cache = torch.randn(14 * bs, kv_heads, d, generator=g)
     q = torch.randn(inp.input_ids.shape[0], heads, d, generator=g)
     split = paged_attention(q, k_cache, v_cache, inp.attn, 0.3)
-    import dataclasses
-    whole = paged_attention(q, k_cache, v_cache, dataclasses.replace(inp.attn, parts=None), 0.3)
+    monkeypatch.setattr("dspark.worker.inputs.SPLIT_MIN_Q", 10**6)    # the one padded call
+    unsplit = build_inputs(chunks, bs, torch.device("cpu")).attn
+    assert unsplit.parts is None and unsplit.mask.shape[2] == SPLIT_MIN_Q + 3
+    whole = paged_attention(q, k_cache, v_cache, unsplit, 0.3)
     ref = _reference_attention(q, k_cache, v_cache, chunks, bs, 0.3)
     assert torch.allclose(split, ref, atol=1e-5) and torch.allclose(whole, ref, atol=1e-5)
     # verify-sized blocks beside decode rows, or a step of long queries only, stay one call
     assert build_inputs(chunks[:1] + [RequestChunk([1] * 8, 2, [6, 7, 8], 8)], bs,
                         torch.device("cpu")).attn.parts is None
     assert build_inputs(chunks[1:2], bs, torch.device("cpu")).attn.parts is None
+
+
+def test_trimming_a_split_step_keeps_each_parts_rows_and_their_attention():
+    from dspark.models.layers.attention import paged_attention
+    from dspark.worker.ragged import row_layout, trim_inputs
+    g = torch.Generator().manual_seed(1)
+    bs, heads, kv_heads, d = 4, 4, 2, 8
+    chunks = [RequestChunk([1, 2, 3, 4, 5], 9, [0, 1, 2, 3], 5),         # anchor + 4 drafts
+              RequestChunk([1], 21, [4, 5, 6, 7, 8, 9], 1),               # a plain decode row
+              RequestChunk(list(range(18)), 3, [10, 11, 12, 13, 14, 15], 1),   # a prefill chunk
+              RequestChunk([6, 7, 8], 4, [16, 17], 3)]                    # anchor + 2 drafts
+    inp = build_inputs(chunks, bs, torch.device("cpu"))
+    assert inp.attn.parts is not None and inp.attn.mask is None       # no step-wide mask built
+    lens = torch.tensor([1, 2])                                        # drafts verified per block
+    layout = row_layout(chunks, [True, False, False, True], torch.device("cpu"))
+    trimmed, _ = trim_inputs(inp, layout, lens, num_dropped=3)
+    kept = [RequestChunk([1, 2], 9, [0, 1, 2, 3], 2), chunks[1], chunks[2],
+            RequestChunk([6, 7, 8], 4, [16, 17], 3)]
+    assert trimmed.input_ids.tolist() == [t for c in kept for t in c.token_ids]
+    k_cache = torch.randn(18 * bs, kv_heads, d, generator=g)
+    v_cache = torch.randn(18 * bs, kv_heads, d, generator=g)
+    q = torch.randn(trimmed.input_ids.shape[0], heads, d, generator=g)
+    out = paged_attention(q, k_cache, v_cache, trimmed.attn, 0.3)
+    assert torch.allclose(out, _reference_attention(q, k_cache, v_cache, kept, bs, 0.3), atol=1e-5)
