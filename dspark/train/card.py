@@ -67,6 +67,10 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
         f"{cfg.grad_clip}, {'bf16 autocast' if cfg.bf16 else 'fp32'}, loss {cfg.loss.ce} CE + {cfg.loss.l1} L1 + "
         f"{cfg.loss.conf} BCE with position weights exp(−k/{cfg.loss.decay:g}); "
         f"{seconds / 3600:.1f} h of step time on a 2-core CPU.", ""]
+    if cfg.init_from:
+        lines += [f"The run started from the weights of an earlier export "
+                  f"(`{os.path.basename(os.path.normpath(cfg.init_from))}`, `--init-from`); the "
+                  f"steps above are this run's alone.", ""]
     if last:
         lines += [f"Held-out ({last['slots']} supervised slots, step {last['step']}): loss "
                   f"{last['loss']:.3f}, per-position acceptance and τ (1 + Σ cumulative products):",

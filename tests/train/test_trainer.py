@@ -199,6 +199,9 @@ def test_init_from_starts_a_new_run_from_an_exported_drafter(tiny_run):
     cold = Trainer(config(tiny_run, "init_cold", num_draft_layers=2, markov_rank=4, seed=1))
     assert not torch.equal(params_of(cold)["fc.weight"], ours["fc.weight"])
     warm.train(use_tqdm=False)                # a checkpoint now exists: resuming loads it, not path
+    exported = warm.export(str(tiny_run.root / "init_warm_export"), torch.float32)
+    card = open(warm.write_card(exported)).read()
+    assert "(`init_exported`, `--init-from`)" in card and "8 steps of 4 sequences" in card
     resumed = Trainer(config(tiny_run, "init_warm", init_from=path))
     assert resumed.step == warm.step
     assert all(torch.equal(v, params_of(warm)[k]) for k, v in params_of(resumed).items())
