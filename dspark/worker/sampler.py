@@ -80,17 +80,17 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 def candidate_probs(logits: torch.Tensor, st: SamplingTensors
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[bool]] | None:
     """`processed_probs` restricted to each row's top CANDIDATES tokens: (probs [N, K], their
-    token ids [N, K]), when top-k / top-p keep fewer tokens than that in every row (None
-    otherwise). Sampling then draws K noise values a row instead of V."""
+    token ids [N, K], whether each row's top-k / top-p kept set lies inside them). Rows that fit
+    sample from K noise values instead of V; None when no row is truncated or V <= K."""
     if st.top_k is None and st.top_p is None:
         return None
     truncated = _candidate_truncation(logits / st.temperature[:, None], st.top_k, st.top_p, st.greedy)
     if truncated is None:
         return None
-    cand, index = truncated
-    return _min_p(torch.softmax(cand, dim=-1), st), index
+    cand, index, fits = truncated
+    return _min_p(torch.softmax(cand, dim=-1), st), index, fits.tolist()
 
 
 def _min_p(probs: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -112,8 +112,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     within them and the top-p mass reached), the result is exact; otherwise the full sort runs.
     """
     truncated = _candidate_truncation(logits, top_k, top_p)
-    if truncated is not None:
-        cand, index = truncated
+    if truncated is not None and bool(truncated[2].all()):
+        cand, index, _ = truncated
         return torch.full_like(logits, float("-inf")).scatter_(-1, index, cand)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     norm = torch.logsumexp(_rank_drop(sorted_logits, top_k), dim=-1, keepdim=True)
@@ -123,10 +123,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
 
 
 def _candidate_truncation(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                          exempt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The top CANDIDATES logits [N, K] with those outside top-k / top-p at -inf, and their ids
-    [N, K]; None when some row's kept set may reach past them (or the vocabulary is smaller).
-    `exempt` [N] rows (greedy ones, which never sample) need not fit."""
+                          exempt: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The top CANDIDATES logits [N, K] with those outside top-k / top-p at -inf, their ids
+    [N, K], and [N] whether each row's kept set surely ends inside them (`exempt` rows, greedy
+    ones that never sample, count as fitting); None when the vocabulary is not larger than K."""
     v = logits.shape[-1]
     if v > CANDIDATES:
         cand, index = logits.topk(CANDIDATES, dim=-1)
@@ -141,8 +142,7 @@ def _candidate_truncation(logits: torch.Tensor, top_k: torch.Tensor | None, top_
             exact &= (top_k <= CANDIDATES) | (top_k >= v)
         if exempt is not None:
             exact = exact | exempt
-        if bool(exact.all()):
-            return cand.masked_fill(drop, float("-inf")), index
+        return cand.masked_fill(drop, float("-inf")), index, exact
     return None
 
 
@@ -192,12 +192,19 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.all_greedy:
         return greedy_tokens
     sparse = candidate_probs(logits, st)
-    if sparse is not None:
-        probs, index = sparse
-        noise = exponential_noise(tuple(probs.shape), st.generators, logits.device)
-        sampled = index.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
-    else:
-        probs = processed_probs(logits, st)
-        noise = exponential_noise(tuple(probs.shape), st.generators, logits.device)
-        sampled = (probs / noise).argmax(dim=-1)
+    fits = sparse[2] if sparse is not None else [False] * logits.shape[0]
+    sampled = greedy_tokens.clone()
+    # Each row takes the candidate path by its own logits and parameters alone, so a seeded
+    # row's draws never depend on which other requests share its batch.
+    rows = [i for i, fit in enumerate(fits) if fit]
+    if rows:
+        probs, index = sparse[0][rows], sparse[1][rows]
+        noise = exponential_noise(tuple(probs.shape), [st.generators[i] for i in rows], logits.device)
+        sampled[rows] = index.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    rest = [i for i, fit in enumerate(fits) if not fit]
+    if rest:
+        sub = st.select(rest)
+        probs = processed_probs(logits[rest], sub)
+        sampled[rest] = (probs / exponential_noise(tuple(probs.shape), sub.generators,
+                                                   logits.device)).argmax(dim=-1)
     return torch.where(st.greedy, greedy_tokens, sampled)

@@ -101,7 +101,8 @@ def test_candidate_sampling_matches_the_full_vocabulary_distribution():
     full = processed_probs(logits[:1], st.select([0]))[0]
     sparse = candidate_probs(logits[:1], st.select([0]))
     assert sparse is not None
-    probs, index = sparse
+    probs, index, fits = sparse
+    assert fits == [True]
     dense = torch.zeros(v).index_put_((index[0],), probs[0])
     assert torch.allclose(dense, full, atol=1e-6)
     counts = torch.bincount(sample(logits, st), minlength=v).float() / n
@@ -117,13 +118,13 @@ def test_candidate_sampling_falls_back_when_the_kept_set_is_wider():
     v = CANDIDATES * 4
     flat = torch.zeros(2, v)                                         # top-p 0.9 keeps 90% of v
     st = tensors([SamplingParams(temperature=1.0, top_p=0.9)] * 2, vocab=v)
-    assert candidate_probs(flat, st) is None
+    assert candidate_probs(flat, st)[2] == [False, False]
     tokens = sample(flat, st)
     assert tokens.shape == (2,) and bool((tokens < v).all())
     # greedy rows never block the candidate path
     mixed = tensors([SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3)], vocab=v)
     logits = torch.randn(2, v)
-    assert candidate_probs(logits, mixed) is not None
+    assert candidate_probs(logits, mixed)[2] == [True, True]
     out = sample(logits, mixed)
     assert int(out[0]) == int(logits[0].argmax()) and int(out[1]) in logits[1].topk(3).indices.tolist()
 
@@ -137,3 +138,22 @@ def test_seeded_rows_draw_their_noise_from_their_own_generator_once():
         assert torch.equal(noise[row], ref)
     assert bool((noise[1] > 0).all())
     assert not gens[0].get_state().equal(torch.Generator().manual_seed(3).get_state())   # consumed
+
+
+def test_a_seeded_rows_draw_does_not_depend_on_its_batch():
+    """A row that fits the candidates beside one that does not (so the batch takes both paths):
+    each seeded row still samples what it samples alone."""
+    from dspark.worker.sampler import CANDIDATES
+    v = CANDIDATES * 4
+    peaked = torch.zeros(v)
+    peaked[[700, 3, 400, 9, 250]] = torch.tensor([3.0, 2.8, 2.6, 2.4, 2.2]) + 8.0   # not in id order
+    flat = torch.zeros(v)
+    alone, mixed = [], []
+    for seed in range(40):
+        p = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
+        gens = [torch.Generator().manual_seed(seed)]
+        alone.append(int(sample(peaked[None], tensors([p], gens, vocab=v))[0]))
+        gens = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 100)]
+        both = sample(torch.stack([peaked, flat]), tensors([p, p], gens, vocab=v))
+        mixed.append(int(both[0]))
+    assert alone == mixed and len(set(alone)) > 1
