@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:      # the heavy modules load only when a command runs
     from dspark.train.data import GenerateConfig
-    from dspark.train.trainer import TrainConfig, Trainer
+    from dspark.train.train_config import TrainConfig
+    from dspark.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def generate_config(args) -> GenerateConfig:
 def train_config(args) -> TrainConfig:
     """TrainConfig defaults, overridden by the run's saved config, overridden by explicit flags,
     so rerunning a bare `--out DIR` continues with the settings the run started with."""
-    from dspark.train.trainer import ARCH_FIELDS, TrainConfig, read_saved_config
+    from dspark.train.train_config import ARCH_FIELDS, TrainConfig, read_saved_config
     fields = {"out_dir": args.out}
     saved = read_saved_config(args.out) or {}
     fields.update({k: v for k, v in saved.items() if k != "out_dir"})

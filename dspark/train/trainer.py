@@ -1,4 +1,5 @@
-"""Drafter training: config, model construction, the loop, held-out eval, checkpoints, export.
+"""Drafter training: model construction, the loop, held-out eval, checkpoints, export (the run's
+configuration is train_config.py).
 
 The recipe is DeepSpec's (reference/dspark_algorithm.md §5.3-5.4) scaled to a 2-core CPU: AdamW
 with linear warm-up then cosine to zero, grad-norm clip 1.0, bf16 autocast, the target frozen and
@@ -15,133 +16,27 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 from tqdm import tqdm
 
 from dspark.config import DTYPES
-from dspark.models.drafter import Drafter, DrafterConfig
-from dspark.models.drafter_loader import (drafter_config_from_hf, load_drafter,
-                                          read_drafter_config, save_speculators)
+from dspark.models.drafter import Drafter
+from dspark.models.drafter_loader import load_drafter, save_speculators
 from dspark.models.loader import LoadedTarget, load_target
-from dspark.models.model_config import ModelConfig
 from dspark.train.data import EpochSampler, Sample, atomic_save, load_samples
 from dspark.train.features import TargetFeatureExtractor
 from dspark.train.forward import MetricPool, StepMetrics, training_forward
-from dspark.train.loss import LossOutput, LossWeights, build_block_batch
+from dspark.train.loss import LossOutput, build_block_batch
+from dspark.train.train_config import (ARCH_FIELDS, CONFIG, TrainConfig, build_drafter_config,
+                                       default_target_layer_ids, init_arch_fields,
+                                       pick_mask_token_id)
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"
-CONFIG = "train_config.json"
-# fields that shape the drafter or its inputs: a checkpoint only resumes under the same values
-ARCH_FIELDS = ("model", "block_size", "num_draft_layers", "markov_rank", "markov_head_type",
-               "target_layer_ids", "mask_token_id")
-
-
-@dataclass
-class TrainConfig:
-    out_dir: str
-    data_dir: str | None = None            # default <out_dir>/data
-    model: str | None = None               # target; None = embedded SmolLM2-135M-Instruct
-    target_dtype: str = "bfloat16"
-    # drafter (γ drafts per block; layer shapes are copied from the target)
-    block_size: int = 7
-    num_draft_layers: int = 1
-    markov_rank: int = 32
-    markov_head_type: str = "vanilla"
-    target_layer_ids: tuple[int, ...] | None = None   # None: default_target_layer_ids(n, 5)
-    mask_token_id: int | None = None                  # None: pick_mask_token_id
-    init_from: str | None = None           # a full-vocabulary drafter (speculators format) to start from
-    # optimisation
-    lr: float = 6e-4
-    weight_decay: float = 0.0
-    warmup_fraction: float = 0.04
-    steps: int = 2000
-    batch_size: int = 4                    # sequences per step
-    anchors_per_seq: int = 32              # blocks per sequence; M <= batch*anchors*γ rows of V
-    max_seq_len: int = 640
-    min_loss_tokens: int = 8
-    grad_clip: float = 1.0
-    bf16: bool = True                      # autocast the drafter's matmuls
-    feature_cache_gb: float = 6.0          # target features kept in memory for later epochs
-    loss: LossWeights = dataclasses.field(default_factory=LossWeights)
-    # bookkeeping
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 200
-    eval_sequences: int = 64
-    checkpoint_every: int = 100
-
-    def __post_init__(self) -> None:
-        if isinstance(self.loss, dict):
-            self.loss = LossWeights(**self.loss)
-        if self.target_layer_ids is not None:
-            self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        if min(self.block_size, self.num_draft_layers, self.steps, self.batch_size,
-               self.anchors_per_seq) < 1:
-            raise ValueError("block_size, num_draft_layers, steps, batch_size and anchors_per_seq "
-                             "must all be >= 1")
-        if self.min_loss_tokens < 2:
-            raise ValueError("min_loss_tokens must be >= 2: a sequence needs an anchor and a label")
-
-    @property
-    def data_path(self) -> str:
-        return self.data_dir or os.path.join(self.out_dir, "data")
-
-
-def read_saved_config(out_dir: str) -> dict | None:
-    """The resolved TrainConfig a run in `out_dir` started with (None for a new run)."""
-    path = os.path.join(out_dir, CONFIG)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def default_target_layer_ids(num_layers: int, count: int = 5) -> tuple[int, ...]:
-    """DFlash's spread round(1 + i(n-4)/(count-1)) (§3.1), e.g. (1, 8, 14, 20, 27) for 30 layers;
-    evenly spaced over [0, n-2] where that formula does not fit. Never the last layer."""
-    top = num_layers - 2
-    if top < 0:
-        return (-1,)
-    count = max(1, min(count, top + 1))
-    if count > 1 and num_layers > 4:
-        ids = tuple(int(round(1 + i * (num_layers - 4) / (count - 1))) for i in range(count))
-        if len(set(ids)) == count and ids[-1] <= top:
-            return ids
-    return tuple(sorted({int(round(x)) for x in torch.linspace(0, top, count).tolist()}))
-
-
-def pick_mask_token_id(tokenizer, vocab_size: int) -> int:
-    """The last special token that is not bos/eos/pad (SmolLM2: 16 `<empty_output>`).
-
-    The mask embedding only has to be a fixed, frozen row that never occurs in the data, which is
-    what DeepSpec uses too (an unused vocabulary row). A special token is matched only when
-    written literally, so chat text and generated responses never contain it. Without a
-    tokenizer the last vocabulary row is used."""
-    if tokenizer is None:
-        return vocab_size - 1
-    reserved = {tokenizer.bos_token_id, tokenizer.pad_token_id, *tokenizer.eos_token_ids}
-    added = tokenizer.backend.get_added_tokens_decoder()
-    candidates = [i for i, tok in added.items() if tok.special and i not in reserved and i < vocab_size]
-    return max(candidates) if candidates else vocab_size - 1
-
-
-def build_drafter_config(cfg: TrainConfig, target: ModelConfig) -> DrafterConfig:
-    return DrafterConfig(
-        block_size=cfg.block_size, target_layer_ids=tuple(cfg.target_layer_ids),
-        sample_from_anchor=True, mask_token_id=cfg.mask_token_id, markov_rank=cfg.markov_rank,
-        markov_head_type=cfg.markov_head_type, enable_confidence_head=True,
-        confidence_head_with_markov=cfg.markov_rank > 0, hidden_size=target.hidden_size,
-        num_layers=cfg.num_draft_layers, num_heads=target.num_heads,
-        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-        intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta, rope_scaling=target.rope_scaling, qk_norm=True,
-        attention_bias=False, target_hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-        draft_vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings)
 
 
 def init_drafter(drafter: Drafter, seed: int) -> None:
@@ -153,14 +48,6 @@ def init_drafter(drafter: Drafter, seed: int) -> None:
             module.reset_parameters()
     if drafter.markov_head is not None:
         torch.nn.init.zeros_(drafter.markov_head.markov_w2.weight)
-
-
-def init_arch_fields(path: str, target: ModelConfig) -> dict:
-    """The TrainConfig architecture fields of the exported drafter in `path`."""
-    cfg = drafter_config_from_hf(read_drafter_config(path), target)
-    return {"block_size": cfg.block_size, "num_draft_layers": cfg.num_layers,
-            "markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
-            "target_layer_ids": tuple(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
 
 
 def lr_lambda(step: int, total: int, warmup_fraction: float) -> float:

@@ -13,8 +13,8 @@ from dspark.train.cli import add_train_args, run_train
 from dspark.train.features import TargetFeatureExtractor
 from dspark.train.forward import block_context, draft_rows, supervised_slots
 from dspark.train.loss import build_block_batch
-from dspark.train.trainer import (LOG, TrainConfig, Trainer, default_target_layer_ids, lr_lambda,
-                                  pick_mask_token_id)
+from dspark.train.train_config import TrainConfig, default_target_layer_ids, pick_mask_token_id
+from dspark.train.trainer import LOG, Trainer, lr_lambda
 from train_helpers import generate_tiny_data, tiny_target
 
 
