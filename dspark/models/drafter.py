@@ -172,6 +172,7 @@ class ConfidenceHead(nn.Module):
 
 class Drafter(nn.Module):
     draft_lm_head_packed: torch.Tensor | None = None   # [V_draft, d] oneDNN copy (inference only)
+    draft_lm_head_native: bool = False                  # small steps use cpu_kernels on the plain rows
 
     def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Module):
         super().__init__()
@@ -248,7 +249,8 @@ class Drafter(nn.Module):
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[..., d] -> fp32 [..., V_draft] through the target lm_head (its draft-vocab rows)."""
         if self.config.uses_draft_vocab:
-            return linear(h, self.draft_lm_head_weight.to(h.dtype), self.draft_lm_head_packed).float()
+            return linear(h, self.draft_lm_head_weight.to(h.dtype), self.draft_lm_head_packed,
+                          native=self.draft_lm_head_native).float()
         return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
 
     # ---- sequential head -------------------------------------------------------------------

@@ -54,9 +54,10 @@ def auto_mode(model: CausalLM, device: torch.device, aux_layer_ids: tuple[int, .
     if device.type != "cpu":
         logger.info("graph auto: eager (no graph backend is measured on %s)", device.type)
         return "eager"
-    packed = model.layers[0].mlp.down_proj.packed is not None
+    down = model.layers[0].mlp.down_proj
+    weights = "onednn+dspark" if down.native else "onednn" if down.packed is not None else "dense"
     full = {**fingerprint, "torch": torch.__version__, "device": str(device),
-            "num_threads": torch.get_num_threads(), "weights": "onednn" if packed else "dense"}
+            "num_threads": torch.get_num_threads(), "weights": weights}
     choice = choose_cpu_mode(full, cache_path,
                              lambda: time_one_token_buckets(model, device, aux_layer_ids))
     how = (f"measured earlier, cached in {cache_path}" if choice.cached

@@ -3,7 +3,8 @@
 Tokens arrive flat (the ragged layout: T tokens of R requests, request r owning rows
 qo_indptr[r]:qo_indptr[r+1]).  Each layer writes its new K/V through the slot mapping, gathers
 every request's context from its pages into a padded [R, L] view and runs one masked SDPA call.
-The metadata is built once per step on the host and shared by all layers.
+The metadata is built once per step on the host and shared by all layers. bf16 decode steps on
+CPUs with AVX512-BF16 skip the gather: dspark's kernel reads the pages in place (cpu_kernels).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from dspark.models.layers import cpu_kernels
 
 
 @dataclass
@@ -116,6 +119,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                           v_cache, part.meta, scale))
         return out
     r = meta.num_reqs
+    if meta.max_q == 1 and not meta.is_causal and cpu_kernels.takes_decode(q, k_cache):
+        mask = None if meta.mask is None else meta.mask.view(r, meta.kv_len)
+        return cpu_kernels.decode_attention(q.view(r, h, d), k_cache, v_cache, meta.block_tables, mask,
+                                            meta.block_size, meta.kv_len, scale).view(r, h * d)
     keys = gather_blocks(k_cache, meta.block_tables, meta.block_size, meta.kv_len)
     values = gather_blocks(v_cache, meta.block_tables, meta.block_size, meta.kv_len)
     if meta.q_index is None:
