@@ -172,7 +172,7 @@ class ConfidenceHead(nn.Module):
 
 class Drafter(nn.Module):
     draft_lm_head_packed: torch.Tensor | None = None   # [V_draft, d] oneDNN copy (inference only)
-    draft_lm_head_native: bool = False                  # small steps use cpu_kernels on the plain rows
+    draft_lm_head_tiles: torch.Tensor | None = None    # its cpu_kernels tile copy (inference only)
 
     def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Module):
         super().__init__()
@@ -250,7 +250,7 @@ class Drafter(nn.Module):
         """[..., d] -> fp32 [..., V_draft] through the target lm_head (its draft-vocab rows)."""
         if self.config.uses_draft_vocab:
             return linear(h, self.draft_lm_head_weight.to(h.dtype), self.draft_lm_head_packed,
-                          native=self.draft_lm_head_native).float()
+                          tiles=self.draft_lm_head_tiles).float()
         return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
 
     # ---- sequential head -------------------------------------------------------------------
@@ -349,3 +349,4 @@ class Drafter(nn.Module):
         self.draft_to_target_index = index
         self.draft_lm_head_weight = self.lm_head.weight.detach()[index].to(self.fc.weight.dtype)
         self.draft_lm_head_packed = None          # pack_for_inference packs the new rows again
+        self.draft_lm_head_tiles = None

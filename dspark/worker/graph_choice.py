@@ -55,7 +55,7 @@ def auto_mode(model: CausalLM, device: torch.device, aux_layer_ids: tuple[int, .
         logger.info("graph auto: eager (no graph backend is measured on %s)", device.type)
         return "eager"
     down = model.layers[0].mlp.down_proj
-    weights = "onednn+dspark" if down.native else "onednn" if down.packed is not None else "dense"
+    weights = "onednn+tiles" if down.tiles is not None else "onednn" if down.packed is not None else "dense"
     full = {**fingerprint, "torch": torch.__version__, "device": str(device),
             "num_threads": torch.get_num_threads(), "weights": weights}
     choice = choose_cpu_mode(full, cache_path,

@@ -116,7 +116,16 @@ def _request_metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int],
     return AttentionMetadata(
         num_reqs=r, max_q=max_q, write_rows=None, write_slots=torch.zeros(0, dtype=torch.long),
         block_tables=tables.clamp(min=0), block_size=block_size, kv_len=max_ctx, q_index=q_index,
-        mask=mask, is_causal=causal)
+        mask=mask, is_causal=causal, token_keys=_token_keys(q_lens, starts, window))
+
+
+def _token_keys(q_lens: list[int], starts: list[int], window: int | None) -> torch.Tensor:
+    """[T, 3]: each token's request, first key and end key (causal, within the window): the
+    per-token form of `_mask`, for kernels that read keys in place."""
+    request = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    end = torch.cat([torch.arange(s + 1, s + q + 1) for s, q in zip(starts, q_lens)])
+    begin = (end - window).clamp(min=0) if window is not None else torch.zeros_like(end)
+    return torch.stack([request, begin, end], 1)
 
 
 def _mask(q_lens, starts, max_q, max_ctx, window) -> torch.Tensor:

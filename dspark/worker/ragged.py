@@ -62,8 +62,9 @@ def trim_inputs(inputs: StepInputs, layout: RowLayout, verify_lens: torch.Tensor
     q_index = attn.q_index if attn.q_index is not None else torch.arange(total, device=keep.device)
     parts = None if attn.parts is None else tuple(
         _trim_part(part, keep, new_row, num_dropped) for part in attn.parts)
-    trimmed_attn = dataclasses.replace(attn, write_slots=attn.write_slots[rows], q_index=q_index[rows],
-                                       parts=parts)
+    trimmed_attn = dataclasses.replace(
+        attn, write_slots=attn.write_slots[rows], q_index=q_index[rows], parts=parts,
+        token_keys=None if attn.token_keys is None else attn.token_keys[rows])
     q_lens = inputs.qo_indptr.diff()
     spec = layout.chunk_spec
     dropped = torch.where(spec >= 0, q_lens - 1 - verify_lens[spec.clamp(min=0)], 0)
@@ -84,8 +85,9 @@ def _trim_part(part: AttentionPart, keep: torch.Tensor, new_row: torch.Tensor, n
     q_index = part.meta.q_index
     if q_index is None:
         q_index = torch.arange(part.rows.shape[0], device=kept.device)
-    return AttentionPart(rows=new_row[part.rows[kept]],
-                         meta=dataclasses.replace(part.meta, q_index=q_index[kept]))
+    keys = part.meta.token_keys
+    return AttentionPart(rows=new_row[part.rows[kept]], meta=dataclasses.replace(
+        part.meta, q_index=q_index[kept], token_keys=None if keys is None else keys[kept]))
 
 
 def untrim_logits(logits: torch.Tensor, logits_keep: torch.Tensor, num_rows: int) -> torch.Tensor:

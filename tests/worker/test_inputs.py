@@ -1,5 +1,6 @@
 """Slot mapping: a row whose block is -1 (a dummy) writes nothing; live rows land in their slots."""
 
+import pytest
 import torch
 
 from dspark.models.layers.attention import write_kv
@@ -30,8 +31,9 @@ def test_logits_rows_and_offsets():
     assert inp.positions.tolist() == [0, 1, 2, 3, 9, 5, 6, 7]
 
 
-def _reference_attention(q, k_cache, v_cache, chunks, block_size, scale):
-    """Each request alone: causal attention of its rows over its own context, in fp32."""
+def _reference_attention(q, k_cache, v_cache, chunks, block_size, scale, window=None):
+    """Each request alone: causal attention of its rows over its own context (the last `window`
+    keys with one), in fp32."""
     out, row = [], 0
     for c in chunks:
         n = c.start + len(c.token_ids)
@@ -40,8 +42,9 @@ def _reference_attention(q, k_cache, v_cache, chunks, block_size, scale):
         for j in range(len(c.token_ids)):
             qi = q[row + j].float()                                         # [H, D]
             group = qi.shape[0] // keys.shape[1]
-            k = keys[: c.start + j + 1].repeat_interleave(group, 1)         # [L, H, D]
-            v = values[: c.start + j + 1].repeat_interleave(group, 1)
+            first = 0 if window is None else max(0, c.start + j + 1 - window)
+            k = keys[first: c.start + j + 1].repeat_interleave(group, 1)    # [L, H, D]
+            v = values[first: c.start + j + 1].repeat_interleave(group, 1)
             p = torch.softmax(torch.einsum("hd,lhd->hl", qi, k) * scale, -1)
             out.append(torch.einsum("hl,lhd->hd", p, v).flatten())
         row += len(c.token_ids)
@@ -98,3 +101,31 @@ def test_trimming_a_split_step_keeps_each_parts_rows_and_their_attention():
     q = torch.randn(trimmed.input_ids.shape[0], heads, d, generator=g)
     out = paged_attention(q, k_cache, v_cache, trimmed.attn, 0.3)
     assert torch.allclose(out, _reference_attention(q, k_cache, v_cache, kept, bs, 0.3), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_bf16_verify_and_decode_rows_read_their_keys_in_place_also_after_trimming(window):
+    from dspark.models.layers import cpu_kernels
+    from dspark.models.layers.attention import paged_attention
+    from dspark.worker.ragged import row_layout, trim_inputs
+    if not cpu_kernels.available():
+        pytest.skip("needs AVX512-BF16 and a C++ compiler")
+    g = torch.Generator().manual_seed(2)
+    bs, heads, kv_heads, d = 4, 4, 2, 32
+    chunks = [RequestChunk([1, 2, 3, 4, 5], 9, [0, 1, 2, 3], 5),         # anchor + 4 drafts
+              RequestChunk([1], 21, [4, 5, 6, 7, 8, 9], 1),               # a plain decode row
+              RequestChunk([6, 7, 8], 4, [16, 17], 3)]                    # anchor + 2 drafts
+    inp = build_inputs(chunks, bs, torch.device("cpu"), window)
+    assert inp.attn.parts is None and inp.attn.token_keys.shape == (9, 3)
+    k_cache = torch.randn(18 * bs, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(18 * bs, kv_heads, d, generator=g).bfloat16()
+    layout = row_layout(chunks, [True, False, True], torch.device("cpu"))
+    trimmed, _ = trim_inputs(inp, layout, torch.tensor([1, 2]), num_dropped=3)
+    kept = [RequestChunk([1, 2], 9, [0, 1, 2, 3], 2), chunks[1], chunks[2]]
+    for attn, step in ((inp.attn, chunks), (trimmed.attn, kept)):
+        q = torch.randn(sum(len(c.token_ids) for c in step), heads, d, generator=g).bfloat16()
+        with torch.profiler.profile() as prof:
+            out = paged_attention(q, k_cache, v_cache, attn, 0.3)
+        assert "dspark_cpu::paged_attention_bf16" in {e.key for e in prof.key_averages()}
+        ref = _reference_attention(q, k_cache, v_cache, step, bs, 0.3, window)
+        assert torch.allclose(out.float(), ref, rtol=2 ** -7, atol=3e-3)

@@ -3,8 +3,9 @@
 Tokens arrive flat (the ragged layout: T tokens of R requests, request r owning rows
 qo_indptr[r]:qo_indptr[r+1]).  Each layer writes its new K/V through the slot mapping, gathers
 every request's context from its pages into a padded [R, L] view and runs one masked SDPA call.
-The metadata is built once per step on the host and shared by all layers. bf16 decode steps on
-CPUs with AVX512-BF16 skip the gather: dspark's kernel reads the pages in place (cpu_kernels).
+The metadata is built once per step on the host and shared by all layers. bf16 steps of short
+queries (decode and verify rows) on CPUs with AVX512-BF16 skip the gather: dspark's kernel reads
+each token's keys in place (cpu_kernels.paged_attention, from `token_keys`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class AttentionMetadata:
     is_causal: bool = False               # single request, fresh prefill: plain causal SDPA
     num_tokens: int | None = None         # live rows; rows past them are bucket padding (None: all)
     parts: tuple["AttentionPart", ...] | None = None   # a mixed step attended group by group
+    token_keys: torch.Tensor | None = None  # [T, 3] each token's request, first key and end key
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
@@ -40,7 +42,7 @@ class AttentionMetadata:
         return dataclasses.replace(
             self, write_rows=move(self.write_rows), write_slots=move(self.write_slots),
             block_tables=move(self.block_tables), q_index=move(self.q_index), mask=move(self.mask),
-            parts=parts)
+            parts=parts, token_keys=move(self.token_keys))
 
 
 @dataclass
@@ -119,10 +121,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                           v_cache, part.meta, scale))
         return out
     r = meta.num_reqs
-    if meta.max_q == 1 and not meta.is_causal and cpu_kernels.takes_decode(q, k_cache):
-        mask = None if meta.mask is None else meta.mask.view(r, meta.kv_len)
-        return cpu_kernels.decode_attention(q.view(r, h, d), k_cache, v_cache, meta.block_tables, mask,
-                                            meta.block_size, meta.kv_len, scale).view(r, h * d)
+    if meta.token_keys is not None and cpu_kernels.takes_attention(q, k_cache, meta.max_q):
+        return cpu_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_keys,
+                                           meta.block_size, scale).view(t, h * d)
     keys = gather_blocks(k_cache, meta.block_tables, meta.block_size, meta.kv_len)
     values = gather_blocks(v_cache, meta.block_tables, meta.block_size, meta.kv_len)
     if meta.q_index is None:

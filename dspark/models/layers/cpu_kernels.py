@@ -1,11 +1,12 @@
-"""dspark's bf16 kernels for CPUs with AVX512-BF16: small projections and decode attention.
+"""dspark's bf16 kernels for x86 CPUs: small projections (AMX) and short-query attention.
 
-At batch 1 a decode step is a chain of matrix-vector products, so its speed is how fast the
-weights stream. oneDNN reads them at about half the machine's streaming bandwidth at one row
-(its blocked layout included); `gemv` reads each weight row once for all rows of x, prefetching
-ahead, at close to that bandwidth. Decode attention through torch copies every request's pages
-into a padded tensor and runs small batched matmuls whose fixed costs dwarf the arithmetic;
-`decode_attention` reads the pages in place.
+At a small batch a decode step is a chain of matrix-vector products, so its speed is how fast
+the weights stream. oneDNN reads them at about half the machine's streaming bandwidth at one row
+(its blocked layout included); `tile_linear` reads them at close to that bandwidth for any count
+of rows up to 16, from a copy packed tile by tile (`pack_tiles`). Attention through torch copies
+every request's pages into a padded tensor and runs small batched matmuls whose fixed costs dwarf
+the arithmetic; `paged_attention` reads the pages in place, for decode and verify rows
+(AVX512-BF16).
 
 `csrc/cpu_kernels.cpp` is compiled on first use with the system C++ compiler (as torch.compile's
 CPU backend is) into a cache folder keyed by the source, torch and compiler, and registered as
@@ -30,9 +31,9 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-MAX_ROWS = 8                     # rows of x `gemv` takes; more go to oneDNN
-FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-DNDEBUG"]
+MAX_ROWS = 16                    # rows of x `tile_linear` takes; more go to oneDNN
+FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+         "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DNDEBUG"]
 
 
 def cache_dir() -> Path:
@@ -71,18 +72,19 @@ def _build(compiler: str) -> Path:
     return lib
 
 
-def cpu_has_avx512_bf16() -> bool:
-    """Whether the CPU has VDPBF16PS, which the kernels are built on (from /proc/cpuinfo)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return frozenset()
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernels can run here; the first call builds and loads them."""
-    if not cpu_has_avx512_bf16():
+    if "avx512_bf16" not in cpu_flags():
         logger.info("this CPU has no AVX512-BF16: torch's kernels run bf16 decode steps")
         return False
     compiler = _compiler()
@@ -95,40 +97,64 @@ def available() -> bool:
     except (RuntimeError, OSError) as err:
         logger.warning("dspark's CPU kernels are unavailable, torch's run bf16 decode steps: %s", err)
         return False
-    torch.library.register_fake("dspark_cpu::gemv_bf16")(_gemv_shape)
-    torch.library.register_fake("dspark_cpu::decode_attention_bf16")(_attention_shape)
+    torch.library.register_fake("dspark_cpu::amx_linear")(_linear_shape)
+    torch.library.register_fake("dspark_cpu::paged_attention_bf16")(_attention_shape)
     return True
 
 
-def _gemv_shape(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
+@functools.cache
+def tiles_available() -> bool:
+    """Whether `tile_linear` can run: the kernels load, the CPU has AMX and Linux grants this
+    process its tile registers."""
+    if not ({"amx_tile", "amx_bf16"} <= cpu_flags() and available()):
+        logger.info("no AMX here: small bf16 projections stay on oneDNN")
+        return False
+    if not torch.ops.dspark_cpu.amx_init():
+        logger.warning("Linux refused this process the AMX tile registers: small bf16 projections "
+                       "stay on oneDNN, which reads weights about half as fast at batch 1")
+        return False
+    return True
+
+
+def _linear_shape(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None) -> Tensor:
+    return x.new_empty((x.shape[0], out))
 
 
 def _attention_shape(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                     mask: Tensor | None, block_size: int, kv_len: int, scale: float) -> Tensor:
+                     token_keys: Tensor, block_size: int, scale: float) -> Tensor:
     return torch.empty_like(q)
 
 
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [M, in] @ weight [out, in]^T (+ bias) -> [M, out] bf16, M <= MAX_ROWS."""
-    return torch.ops.dspark_cpu.gemv_bf16(x, weight, bias)
+def pack_tiles(weight: Tensor) -> Tensor:
+    """bf16 [out, in] -> [ceil(out/16), ceil(in/32), 16, 16, 2]: the weight tile by tile, as
+    `tile_linear` streams it (a copy)."""
+    return torch.ops.dspark_cpu.amx_pack(weight.detach())
 
 
-def takes_decode(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether `decode_attention` serves this step: bf16 on a CPU where the kernels load."""
-    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
-            and available())
+def tile_linear(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None = None) -> Tensor:
+    """x [M, in] @ weight^T (+ bias) -> [M, out] bf16, M <= MAX_ROWS, from pack_tiles(weight)."""
+    return torch.ops.dspark_cpu.amx_linear(x, tiles, out, bias)
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                     mask: Tensor | None, block_size: int, kv_len: int, scale: float) -> Tensor:
-    """One query row per request over its pages: q [R, H, D], caches [S, KVH, D], block_tables
-    [R, NB] (token l of request r lives in slot table[r, l // block_size] * block_size + l %
-    block_size), mask [R, kv_len] True = attend or None (all kv_len keys) -> [R, H, D] bf16.
-    Scores and softmax in fp32 (the torch path rounds scores to bf16 first)."""
-    return torch.ops.dspark_cpu.decode_attention_bf16(q, k_cache, v_cache, block_tables, mask,
-                                                     block_size, kv_len, scale)
+MAX_QUERY = 16                   # a step's longest query `paged_attention` serves; longer go to SDPA
 
 
-__all__ = ["MAX_ROWS", "available", "cache_dir", "cpu_has_avx512_bf16", "decode_attention", "gemv",
-           "takes_decode"]
+def takes_attention(q: Tensor, k_cache: Tensor, max_q: int) -> bool:
+    """Whether `paged_attention` serves this step: queries of at most MAX_QUERY rows, bf16 on a
+    CPU where the kernels load."""
+    return (max_q <= MAX_QUERY and q.device.type == "cpu" and q.dtype == torch.bfloat16
+            and k_cache.dtype == torch.bfloat16 and available())
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                    token_keys: Tensor, block_size: int, scale: float) -> Tensor:
+    """Each token over its request's keys, read in place: q [T, H, D], caches [S, KVH, D],
+    block_tables [R, NB] (key l of request r lives in slot table[r, l // block_size] *
+    block_size + l % block_size), token_keys [T, 3] = (request, first key, end key) -> [T, H, D]
+    bf16. Scores and softmax in fp32 (the torch path rounds scores to bf16 first)."""
+    return torch.ops.dspark_cpu.paged_attention_bf16(q, k_cache, v_cache, block_tables, token_keys,
+                                                    block_size, scale)
+
+
+__all__ = ["MAX_QUERY", "MAX_ROWS", "available", "cache_dir", "cpu_flags", "pack_tiles",
+           "paged_attention", "takes_attention", "tile_linear", "tiles_available"]

@@ -8,9 +8,10 @@ and the results are bit-identical, because the kernel is the same and only the l
 `pack_linears` converts an inference model once after loading; training never packs, because a
 packed copy does not follow updates to the weight.
 
-Projections of one to eight rows go faster still through dspark's own bf16 kernel (`cpu_kernels`,
-2.2-2.6x oneDNN at one row, 1.2-1.3x at eight, on SmolLM2's projections), which reads the plain
-layout; where it runs, a packed projection keeps its plain weight too, for those small steps.
+Projections of up to 16 rows go faster still through dspark's AMX kernel (`cpu_kernels`; a
+chain of SmolLM2's projections at 1-16 rows streams at 16-21 GB/s against oneDNN's 7-13 GB/s,
+with a 21 GB/s plain read alongside). It reads its own tile-by-tile copy of the weight, which a
+packed projection keeps beside the oneDNN copy on CPUs with AMX.
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def lower_packed_linear() -> None:
 
 
 def linear(x: Tensor, weight: Tensor, packed: Tensor | None, bias: Tensor | None = None,
-           native: bool = False) -> Tensor:
-    """x [..., in] -> [..., out]: through dspark's kernel if `native` and x has at most
-    cpu_kernels.MAX_ROWS rows, else through the packed copy of `weight` when there is one."""
-    if native and 0 < x.numel() <= cpu_kernels.MAX_ROWS * x.shape[-1]:
-        out = cpu_kernels.gemv(x.reshape(-1, x.shape[-1]), weight, bias)
+           tiles: Tensor | None = None) -> Tensor:
+    """x [..., in] -> [..., out]: through the tile copy of `weight` (cpu_kernels.pack_tiles) when
+    there is one and x has at most cpu_kernels.MAX_ROWS rows, else through the packed copy when
+    there is one. A weight with tiles is packed too (pack_linears), which gives the out size."""
+    if tiles is not None and 0 < x.numel() <= cpu_kernels.MAX_ROWS * x.shape[-1]:
+        out = cpu_kernels.tile_linear(x.reshape(-1, x.shape[-1]), tiles, packed.shape[0], bias)
         return out.view(*x.shape[:-1], out.shape[-1])
     if packed is None:
         return F.linear(x, weight, bias)
@@ -85,10 +87,10 @@ class Linear(nn.Linear):
     """nn.Linear that, once packed, multiplies by its oneDNN copy instead of `weight`."""
 
     packed: Tensor | None = None          # [out, in] in oneDNN's blocked layout, or None
-    native: bool = False                  # small steps go through cpu_kernels (weight kept plain)
+    tiles: Tensor | None = None           # [out/16, in/32, 16, 16, 2] for cpu_kernels, or None
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.packed, self.bias, self.native)
+        return linear(x, self.weight, self.packed, self.bias, self.tiles)
 
     def weight_bytes(self) -> int:
         """Bytes one forward reads from the weight, whichever copy it uses."""
@@ -101,21 +103,21 @@ def can_pack(weight: Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-def pack_linears(module: nn.Module, drop_dense: bool, native: bool = False) -> int:
-    """Give every `Linear` under `module` (itself included) its packed copy; returns the count.
+def pack_linears(module: nn.Module, drop_dense: bool, tiles: bool = False) -> int:
+    """Give every `Linear` under `module` (itself included) its packed copy, and with `tiles`
+    (cpu_kernels.tiles_available()) its tile copy for steps of up to 16 rows; returns the count.
 
-    With `native` (cpu_kernels is available) a projection keeps its plain weight for dspark's
-    kernel. Otherwise drop_dense releases the plain weight's storage (it keeps its dtype, shape
-    metadata lives in in/out_features), so a packed model costs no extra memory. Weights another
-    module also holds (tied embeddings, a drafter sharing the LM head) must keep theirs: pass False.
+    drop_dense releases the plain weight's storage (it keeps its dtype, shape metadata lives in
+    in/out_features). Weights another module also holds (tied embeddings, a drafter sharing the
+    LM head) must keep theirs: pass False.
     """
     count = 0
     for m in module.modules():
         if not isinstance(m, Linear) or m.packed is not None or not can_pack(m.weight):
             continue
         m.packed = pack_weight(m.weight)
-        m.native = native
-        if drop_dense and not native:
+        m.tiles = cpu_kernels.pack_tiles(m.weight) if tiles else None
+        if drop_dense:
             m.weight.data = m.weight.data.new_empty(0)
         count += 1
     return count
@@ -124,20 +126,19 @@ def pack_linears(module: nn.Module, drop_dense: bool, native: bool = False) -> i
 def pack_for_inference(target: nn.Module, drafter: nn.Module | None) -> int:
     """Pack an engine's target and drafter. The target's LM head keeps its plain weight: it may
     be tied to the embeddings, and a drafter derives its reduced-vocabulary head from it."""
-    weights = [p for p in target.parameters()] + ([] if drafter is None else list(drafter.parameters()))
-    native = any(can_pack(p) for p in weights if p.dim() == 2) and cpu_kernels.available()
-    count = sum(pack_linears(layer, drop_dense=True, native=native) for layer in target.layers)
-    count += pack_linears(target.lm_head, drop_dense=False, native=native)
+    tiles = can_pack(target.lm_head.weight) and cpu_kernels.tiles_available()
+    count = sum(pack_linears(layer, drop_dense=True, tiles=tiles) for layer in target.layers)
+    count += pack_linears(target.lm_head, drop_dense=False, tiles=tiles)
     if drafter is not None:
-        count += pack_linears(drafter, drop_dense=True, native=native)
+        count += pack_linears(drafter, drop_dense=True, tiles=tiles)
         head = getattr(drafter, "draft_lm_head_weight", None)
         if head is not None and head.numel() and can_pack(head):
             drafter.draft_lm_head_packed = pack_weight(head)     # its reduced-vocabulary head
-            drafter.draft_lm_head_native = native
+            drafter.draft_lm_head_tiles = cpu_kernels.pack_tiles(head) if tiles else None
             count += 1
     if count:
         logger.info("packed %d projection weights in oneDNN's layout%s", count,
-                    "; steps of up to %d rows use dspark's bf16 kernel" % cpu_kernels.MAX_ROWS if native else "")
+                    f", and tile by tile for steps of up to {cpu_kernels.MAX_ROWS} rows" if tiles else "")
     return count
 
 

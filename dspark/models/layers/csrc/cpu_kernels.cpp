@@ -1,19 +1,23 @@
-// dspark's CPU kernels for AVX512-BF16: the two parts of a bf16 decode step that torch's own
-// kernels leave far from the memory bandwidth at small batches.
+// dspark's CPU kernels: the two parts of a bf16 decode or verify step that torch's own kernels
+// leave far from the machine's speed at small batches.
 //
-// gemv_bf16: a matrix times a few rows, y [M, O] = x [M, I] @ w [O, I]^T (+ b).
+// amx_linear: y [M, O] = x [M, I] @ w [O, I]^T (+ b) for M <= 16 rows, through AMX tiles.
 //
-// A batch-1 decode step streams every weight once, so it runs at the speed a kernel reads memory.
-// Each weight row is read once for all M (<= 8) input rows; VDPBF16PS multiplies bf16 pairs into
-// fp32 accumulators, and the rows a few blocks ahead are prefetched (that alone moved a chain of
-// SmolLM2's projections from ~70% to ~95% of the machine's streaming-read bandwidth).  An output
-// depends only on its own input row: the accumulation order never changes with M, so a row gives
-// bit-identical results alone or beside seven others.
+// A decode step at a small batch streams every weight once, so it runs at the speed a kernel
+// reads memory. oneDNN reaches about half of it at one row; AVX-512 dot products reach it at
+// one row but fall to half at eight, where they run out of arithmetic. One tile multiply
+// (TDPBF16PS) takes up to 16 rows of x against 16 output columns over 32 input columns, so the
+// arithmetic is free up to 16 rows. The weight is stored tile by tile by amx_pack (1 KB each,
+// bf16 pairs interleaved as the instruction reads them), one contiguous stream per 16 output
+// columns, prefetched a few tiles ahead. An output depends only on its own row of x: a row
+// gives bit-identical results alone or beside fifteen others.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,85 +25,102 @@
 
 namespace {
 
-constexpr int64_t kLanes = 32;           // bf16 values in one 512-bit register
-constexpr int64_t kPrefetchRows = 8;     // how far ahead of the current rows the prefetch reads
+constexpr int64_t kTileRows = 16;        // rows of x per tile, and output columns per tile
+constexpr int64_t kTileK = 32;           // input columns per tile (16 bf16 pairs)
+constexpr int64_t kTileElems = kTileK * kTileRows;
+constexpr int64_t kPrefetchTiles = 4;
 
-// Rows [o0, o0 + R) of the output for all M input rows.
-template <int M, int R>
-inline void block(const uint16_t* x, const uint16_t* w, const at::BFloat16* bias, at::BFloat16* y,
-                  int64_t o0, int64_t in, int64_t out) {
-  __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  const uint16_t* rows = w + o0 * in;
-  for (int64_t k = 0; k < in; k += kLanes) {
-    const __mmask32 mask = in - k >= kLanes ? ~__mmask32(0) : (__mmask32(1) << (in - k)) - 1;
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows + (kPrefetchRows + r) * in + k), _MM_HINT_T0);
-      wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows + r * in + k);
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * in + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
-      float s = _mm512_reduce_add_ps(acc[m][r]);
-      if (bias != nullptr) s += static_cast<float>(bias[o0 + r]);
-      y[m * out + o0 + r] = at::BFloat16(s);
-    }
+struct TileConfig {                      // the 64-byte operand of LDTILECFG, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the tile registers per process on request (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_init() {
+  constexpr long kReqPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
 }
 
-template <int M>
-void rows_times_weight(const uint16_t* x, const uint16_t* w, const at::BFloat16* bias, at::BFloat16* y,
-                       int64_t in, int64_t out) {
-  constexpr int R = M <= 4 ? 4 : 2;      // M * R accumulators stay within the 32 registers
-  const int64_t blocks = out / R;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, 64 / R), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block<M, R>(x, w, bias, y, b * R, in, out);
+// w [O, I] -> [ceil(O/16), ceil(I/32), 16 pairs, 16 columns, 2] bf16, zero padded.
+at::Tensor amx_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "amx_pack: a bf16 [O, I] weight expected");
+  const int64_t out = w.size(0), in = w.size(1);
+  const int64_t ob = (out + kTileRows - 1) / kTileRows, kb = (in + kTileK - 1) / kTileK;
+  at::Tensor packed = at::zeros({ob, kb, kTileK / 2, kTileRows, 2}, w.options());
+  const at::Tensor wc = w.contiguous();
+  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, out, 256, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o)
+      for (int64_t k = 0; k < in; ++k) {
+        const int64_t tile = (o / kTileRows) * kb + k / kTileK, kk = k % kTileK;
+        dst[tile * kTileElems + (kk / 2) * kTileRows * 2 + (o % kTileRows) * 2 + kk % 2] = src[o * in + k];
+      }
   });
-  for (int64_t o = blocks * R; o < out; ++o) block<M, 1>(x, w, bias, y, o, in, out);
+  return packed;
 }
 
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
-              "gemv_bf16: x [M, I] and w [O, I] expected, got ", x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "gemv_bf16: bf16 tensors expected");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "gemv_bf16: 1 to 8 rows, got ", x.size(0));
-  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
-  const int64_t in = w.size(1), out = w.size(0);
+// Output columns [16 o, 16 o + 16) for all rows of x (padded to whole tiles in xp).
+inline void column_tile(const uint16_t* xp, const uint16_t* tiles, int64_t kb, float* c) {
+  _tile_zero(0);
+  for (int64_t k = 0; k < kb; ++k) {
+    const char* ahead = reinterpret_cast<const char*>(tiles + (k + kPrefetchTiles) * kTileElems);
+    for (int64_t line = 0; line < kTileElems * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    _tile_loadd(1, xp + k * kTileK, kb * kTileK * 2);
+    _tile_loadd(2, tiles + k * kTileElems, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, c, kTileRows * 4);
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= kTileRows,
+              "amx_linear: x of 1 to 16 bf16 rows expected, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t rows = x.size(0), in = x.size(1);
+  TORCH_CHECK(packed.dim() == 5 && packed.size(1) == (in + kTileK - 1) / kTileK &&
+              packed.size(0) == (out + kTileRows - 1) / kTileRows,
+              "amx_linear: the packed weight does not fit x [", rows, ", ", in, "] and ", out, " outputs");
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == out, "amx_linear: bias of ", out, " expected");
+  const int64_t ob = packed.size(0), kb = packed.size(1);
+  std::vector<uint16_t> xpad(rows * kb * kTileK, 0);          // whole tiles of columns, zero padded
+  const at::Tensor xc = x.contiguous();
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  for (int64_t m = 0; m < rows; ++m) std::copy(xs + m * in, xs + (m + 1) * in, xpad.data() + m * kb * kTileK);
   at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out && bias->scalar_type() == at::kBFloat16, "gemv_bf16: bad bias");
-    bc = bias->contiguous();
-  }
-  at::Tensor y = at::empty({x.size(0), out}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-  const auto* bp = bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr;
+  if (bias.has_value() && bias->defined()) bc = bias->to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({rows, out}, x.options());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
-  switch (x.size(0)) {
-    case 1: rows_times_weight<1>(xp, wp, bp, yp, in, out); break;
-    case 2: rows_times_weight<2>(xp, wp, bp, yp, in, out); break;
-    case 3: rows_times_weight<3>(xp, wp, bp, yp, in, out); break;
-    case 4: rows_times_weight<4>(xp, wp, bp, yp, in, out); break;
-    case 5: rows_times_weight<5>(xp, wp, bp, yp, in, out); break;
-    case 6: rows_times_weight<6>(xp, wp, bp, yp, in, out); break;
-    case 7: rows_times_weight<7>(xp, wp, bp, yp, in, out); break;
-    default: rows_times_weight<8>(xp, wp, bp, yp, in, out); break;
-  }
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(rows);     // tile 0: C (fp32), tile 1: A (x)
+  cfg.colsb[0] = cfg.colsb[1] = 64;
+  cfg.rows[2] = kTileK / 2;                                     // tile 2: B (weight pairs)
+  cfg.colsb[2] = 64;
+  at::parallel_for(0, ob, 4, [&](int64_t o0, int64_t o1) {
+    _tile_loadconfig(&cfg);
+    alignas(64) float c[kTileRows * kTileRows];
+    for (int64_t o = o0; o < o1; ++o) {
+      column_tile(xpad.data(), wp + o * kb * kTileElems, kb, c);
+      const int64_t cols = std::min(kTileRows, out - o * kTileRows);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < cols; ++j)
+          yp[m * out + o * kTileRows + j] = at::BFloat16(c[m * kTileRows + j] + (bp ? bp[o * kTileRows + j] : 0.0f));
+    }
+    _tile_release();
+  });
   return y;
 }
 
-// decode_attention_bf16: one query row per request straight from the paged cache.
+// paged_attention_bf16: short queries (decode and verify rows) straight from the paged cache.
 //
 // torch's path gathers each request's pages into a padded copy, makes the keys contiguous and
-// runs two small batched matmuls; at batch 1 those copies and calls cost several times the
-// arithmetic. Here each (request, K/V head) reads its keys and values in place through the block
-// table: scores by VDPBF16PS, an fp32 softmax, and the weighted values summed in fp32.
+// runs small batched matmuls or the SDPA kernel; for a handful of query rows those copies and
+// calls cost several times the arithmetic. Here each (token, K/V head) reads its request's keys
+// and values in place through the block table: scores by VDPBF16PS, an fp32 softmax, and the
+// weighted values summed in fp32.
 
 // e^x for x <= 0 (softmax arguments after the max is subtracted), to a few fp32 ulps.
 inline __m512 exp_nonpositive(__m512 x) {
@@ -116,51 +137,51 @@ inline __m512 exp_nonpositive(__m512 x) {
 inline __mmask16 tail16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 inline __mmask32 tail32(int64_t left) { return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1; }
 
-struct DecodeShape {
-  int64_t heads, kv_heads, dim, kv_len, block_size, blocks_per_req;
+struct AttentionShape {
+  int64_t heads, kv_heads, dim, block_size, blocks_per_req;
 };
 
-// Output rows of the `group` query heads that share K/V head `kvh` of request `r`.
+// The `group` query heads of token `t` that share K/V head `kvh`, over keys [begin, end) of the
+// request whose block table is `table`.
 void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
-                  const bool* mask, const DecodeShape& s, int64_t r, int64_t kvh, float scale,
+                  int64_t begin, int64_t end, const AttentionShape& s, int64_t t, int64_t kvh, float scale,
                   std::vector<float>& scores, std::vector<float>& acc, at::BFloat16* out) {
-  const int64_t group = s.heads / s.kv_heads, d = s.dim, len = s.kv_len;
-  const uint16_t* qr = q + (r * s.heads + kvh * group) * d;
-  scores.assign(group * len, -INFINITY);
+  const int64_t group = s.heads / s.kv_heads, d = s.dim, len = end - begin;
+  const uint16_t* qt = q + (t * s.heads + kvh * group) * d;
+  scores.resize(group * len);
   std::vector<float> top(group, -INFINITY);
-  auto slot_of = [&](int64_t l) { return table[l / s.block_size] * s.block_size + l % s.block_size; };
+  auto row_of = [&](const uint16_t* cache, int64_t l) {
+    return cache + ((table[l / s.block_size] * s.block_size + l % s.block_size) * s.kv_heads + kvh) * d;
+  };
   for (int64_t l = 0; l < len; ++l) {
-    if (mask != nullptr && !mask[l]) continue;
-    const uint16_t* k = kc + (slot_of(l) * s.kv_heads + kvh) * d;
+    const uint16_t* k = row_of(kc, begin + l);
     for (int64_t g = 0; g < group; ++g) {
       __m512 dot = _mm512_setzero_ps();
       for (int64_t i = 0; i < d; i += 32) {
         const __mmask32 m = tail32(d - i);
         dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_maskz_loadu_epi16(m, k + i),
-                               (__m512bh)_mm512_maskz_loadu_epi16(m, qr + g * d + i));
+                               (__m512bh)_mm512_maskz_loadu_epi16(m, qt + g * d + i));
       }
       const float sc = _mm512_reduce_add_ps(dot) * scale;
       scores[g * len + l] = sc;
       top[g] = std::max(top[g], sc);
     }
   }
-  acc.assign(group * d, 0.0f);
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores.data() + g * len;
     __m512 total = _mm512_setzero_ps();
     for (int64_t l = 0; l < len; l += 16) {
       const __mmask16 m = tail16(len - l);
-      const __m512 x = _mm512_maskz_loadu_ps(m, row + l);
-      const __m512 e = _mm512_maskz_mov_ps(_mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                           exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(top[g]))));
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l),
+                                                                            _mm512_set1_ps(top[g]))));
       _mm512_mask_storeu_ps(row + l, m, e);
       total = _mm512_add_ps(total, e);
     }
     top[g] = _mm512_reduce_add_ps(total);                  // now the softmax denominator
   }
+  acc.assign(group * d, 0.0f);
   for (int64_t l = 0; l < len; ++l) {
-    if (mask != nullptr && !mask[l]) continue;
-    const uint16_t* v = vc + (slot_of(l) * s.kv_heads + kvh) * d;
+    const uint16_t* v = row_of(vc, begin + l);
     for (int64_t i = 0; i < d; i += 16) {
       const __mmask16 m = tail16(d - i);
       const __m512 vv = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, v + i));
@@ -173,43 +194,42 @@ void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, con
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inv = top[g] > 0.0f ? 1.0f / top[g] : 0.0f;
-    at::BFloat16* o = out + (r * s.heads + kvh * group + g) * d;
+    at::BFloat16* o = out + (t * s.heads + kvh * group + g) * d;
     for (int64_t i = 0; i < d; ++i) o[i] = at::BFloat16(acc[g * d + i] * inv);
   }
 }
 
-at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const at::Tensor& block_tables, const c10::optional<at::Tensor>& mask,
-                                 int64_t block_size, int64_t kv_len, double scale) {
+at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& token_keys,
+                                int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
-              "decode_attention_bf16: q [R, H, D] and caches [S, KVH, D] expected");
+              "paged_attention_bf16: q [T, H, D] and caches [S, KVH, D] expected");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-              v_cache.scalar_type() == at::kBFloat16, "decode_attention_bf16: bf16 tensors expected");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention_bf16: contiguous caches expected");
-  const DecodeShape s{q.size(1), k_cache.size(1), q.size(2), kv_len, block_size, block_tables.size(1)};
-  TORCH_CHECK(k_cache.size(2) == s.dim && s.heads % s.kv_heads == 0, "decode_attention_bf16: head shapes disagree");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && s.blocks_per_req * block_size >= kv_len,
-              "decode_attention_bf16: block tables [R, NB] covering kv_len expected");
+              v_cache.scalar_type() == at::kBFloat16, "paged_attention_bf16: bf16 tensors expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_bf16: contiguous caches expected");
+  const AttentionShape s{q.size(1), k_cache.size(1), q.size(2), block_size, block_tables.size(1)};
+  TORCH_CHECK(k_cache.size(2) == s.dim && s.heads % s.kv_heads == 0, "paged_attention_bf16: head shapes disagree");
+  TORCH_CHECK(block_tables.dim() == 2 && token_keys.dim() == 2 && token_keys.size(0) == q.size(0) &&
+              token_keys.size(1) == 3, "paged_attention_bf16: block tables [R, NB] and token keys [T, 3] expected");
   const at::Tensor qc = q.contiguous(), tables = block_tables.to(at::kLong).contiguous();
-  at::Tensor mc;
-  if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->numel() == q.size(0) * kv_len && mask->scalar_type() == at::kBool,
-                "decode_attention_bf16: a bool mask [R, kv_len] expected");
-    mc = mask->contiguous();
-  }
+  const at::Tensor keys = token_keys.to(at::kLong).contiguous();
+  const int64_t* kp3 = keys.data_ptr<int64_t>();
+  for (int64_t t = 0; t < q.size(0); ++t)
+    TORCH_CHECK(kp3[3 * t] >= 0 && kp3[3 * t] < tables.size(0) && 0 <= kp3[3 * t + 1] &&
+                kp3[3 * t + 1] <= kp3[3 * t + 2] && kp3[3 * t + 2] <= s.blocks_per_req * block_size,
+                "paged_attention_bf16: token ", t, " names keys outside its request's block table");
   at::Tensor out = at::empty_like(qc);
   const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
-  const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, q.size(0) * s.kv_heads, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, acc;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / s.kv_heads, kvh = i % s.kv_heads;
-      attend_group(qp, kp, vp, tp + r * s.blocks_per_req, mp == nullptr ? nullptr : mp + r * kv_len, s,
-                   r, kvh, static_cast<float>(scale), scores, acc, op);
+      const int64_t t = i / s.kv_heads, kvh = i % s.kv_heads;
+      attend_group(qp, kp, vp, tp + kp3[3 * t] * s.blocks_per_req, kp3[3 * t + 1], kp3[3 * t + 2], s, t, kvh,
+                   static_cast<float>(scale), scores, acc, op);
     }
   });
   return out;
@@ -218,12 +238,15 @@ at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
 }  // namespace
 
 TORCH_LIBRARY(dspark_cpu, m) {
-  m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("decode_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor? mask, "
-        "int block_size, int kv_len, float scale) -> Tensor");
+  m.def("amx_init() -> bool", &amx_init);                      // no tensor argument: one kernel
+  m.def("amx_pack(Tensor w) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, int out, Tensor? bias) -> Tensor");
+  m.def("paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor token_keys, "
+        "int block_size, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dspark_cpu, CPU, m) {
-  m.impl("gemv_bf16", &gemv_bf16);
-  m.impl("decode_attention_bf16", &decode_attention_bf16);
+  m.impl("amx_pack", &amx_pack);
+  m.impl("amx_linear", &amx_linear);
+  m.impl("paged_attention_bf16", &paged_attention_bf16);
 }
