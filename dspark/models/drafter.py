@@ -305,6 +305,12 @@ class Drafter(nn.Module):
             return draft_ids
         return self.draft_to_target_index[draft_ids]
 
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids. The draft ids list their target ids in increasing
+        order, so the first maximum over the draft vocabulary is the first over the scattered
+        target-vocabulary logits: greedy drafting can take its argmax over V_draft."""
+        return self.draft_to_target_index[draft_ids] if self.config.uses_draft_vocab else draft_ids
+
     def scatter_to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V] with -inf outside the draft vocabulary."""
         if not self.config.uses_draft_vocab:

@@ -81,10 +81,12 @@ def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors:
         if e is not None:
             bias, state = drafter.markov_bias(e, h[:, k], state)
             logits = logits + bias.float()
-        logits = drafter.scatter_to_target_vocab(logits)                              # [R, V]
         if cfg.enable_confidence_head:
             conf.append(drafter.confidence_logits(h[:, k], e).float())
-        prev, q = _sample_draft(logits, st)
+        if st.all_greedy:                       # the argmax over V_draft, no [R, V] scatter
+            prev, q = drafter.to_target_ids(logits.argmax(-1)), None
+        else:
+            prev, q = _sample_draft(drafter.scatter_to_target_vocab(logits), st)      # q [R, V]
         tokens.append(prev)
         probs.append(q)
     return DraftProposal(tokens=torch.stack(tokens, 1),

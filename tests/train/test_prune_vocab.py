@@ -47,6 +47,9 @@ def test_pruned_rows_equal_the_original_and_drafts_stay_inside(pair, tmp_path):
     scattered = small.scatter_to_target_vocab(small.base_logits(h))
     assert torch.isinf(scattered[:, [0, 1, 4]]).all() and scattered.argmax(-1).tolist() == \
         keep[small.base_logits(h).argmax(-1)].tolist()
+    tied = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0], [0.5] * 7])   # ties take the first id
+    assert small.to_target_ids(tied.argmax(-1)).tolist() == \
+        small.scatter_to_target_vocab(tied).argmax(-1).tolist() == [5, 2]
     save_speculators(small, str(tmp_path))
     again = load_drafter(str(tmp_path), target.config, target.model.embed_tokens, target.model.lm_head,
                          torch.float32)
