@@ -137,13 +137,15 @@ def tile_linear(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None = None) 
 
 
 MAX_QUERY = 16                   # a step's longest query `paged_attention` serves; longer go to SDPA
+MAX_GROUP = 8                    # query heads per K/V head it takes
 
 
 def takes_attention(q: Tensor, k_cache: Tensor, max_q: int) -> bool:
-    """Whether `paged_attention` serves this step: queries of at most MAX_QUERY rows, bf16 on a
-    CPU where the kernels load."""
+    """Whether `paged_attention` serves this step: queries of at most MAX_QUERY rows and at most
+    MAX_GROUP query heads per K/V head, bf16 on a CPU where the kernels load."""
     return (max_q <= MAX_QUERY and q.device.type == "cpu" and q.dtype == torch.bfloat16
-            and k_cache.dtype == torch.bfloat16 and available())
+            and k_cache.dtype == torch.bfloat16 and q.shape[1] <= MAX_GROUP * k_cache.shape[1]
+            and available())
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -156,5 +158,5 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                                                     block_size, scale)
 
 
-__all__ = ["MAX_QUERY", "MAX_ROWS", "available", "cache_dir", "cpu_flags", "pack_tiles",
+__all__ = ["MAX_GROUP", "MAX_QUERY", "MAX_ROWS", "available", "cache_dir", "cpu_flags", "pack_tiles",
            "paged_attention", "takes_attention", "tile_linear", "tiles_available"]

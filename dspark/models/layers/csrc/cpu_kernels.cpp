@@ -141,21 +141,36 @@ struct AttentionShape {
   int64_t heads, kv_heads, dim, block_size, blocks_per_req;
 };
 
-// The `group` query heads of token `t` that share K/V head `kvh`, over keys [begin, end) of the
-// request whose block table is `table`.
+constexpr int kMaxGroup = 8;             // query heads per K/V head the kernel takes
+
+// Calls fn(i, row) for keys [begin, end) of one K/V head: i counts from 0, row is the key's
+// [D] vector in the cache. Walks block by block, so no division per key.
+template <typename Fn>
+inline void for_each_key(const uint16_t* cache, const int64_t* table, int64_t begin, int64_t end,
+                         const AttentionShape& s, int64_t kvh, Fn fn) {
+  const int64_t stride = s.kv_heads * s.dim;
+  for (int64_t l = begin; l < end;) {
+    const int64_t off = l % s.block_size, n = std::min(s.block_size - off, end - l);
+    const uint16_t* row = cache + (table[l / s.block_size] * s.block_size + off) * stride + kvh * s.dim;
+    for (int64_t j = 0; j < n; ++j) fn(l - begin + j, row + j * stride);
+    l += n;
+  }
+}
+
+// The G query heads of token `t` that share K/V head `kvh`, over keys [begin, end) of the
+// request whose block table is `table`. The weighted values are summed 16 dimensions at a time
+// with the G sums in registers.
+template <int G>
 void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
                   int64_t begin, int64_t end, const AttentionShape& s, int64_t t, int64_t kvh, float scale,
-                  std::vector<float>& scores, std::vector<float>& acc, at::BFloat16* out) {
-  const int64_t group = s.heads / s.kv_heads, d = s.dim, len = end - begin;
-  const uint16_t* qt = q + (t * s.heads + kvh * group) * d;
-  scores.resize(group * len);
-  std::vector<float> top(group, -INFINITY);
-  auto row_of = [&](const uint16_t* cache, int64_t l) {
-    return cache + ((table[l / s.block_size] * s.block_size + l % s.block_size) * s.kv_heads + kvh) * d;
-  };
-  for (int64_t l = 0; l < len; ++l) {
-    const uint16_t* k = row_of(kc, begin + l);
-    for (int64_t g = 0; g < group; ++g) {
+                  std::vector<float>& scores, at::BFloat16* out) {
+  const int64_t d = s.dim, len = end - begin;
+  const uint16_t* qt = q + (t * s.heads + kvh * G) * d;
+  scores.resize(G * len);
+  float top[G], total[G];
+  for (int g = 0; g < G; ++g) top[g] = -INFINITY;
+  for_each_key(kc, table, begin, end, s, kvh, [&](int64_t l, const uint16_t* k) {
+    for (int g = 0; g < G; ++g) {
       __m512 dot = _mm512_setzero_ps();
       for (int64_t i = 0; i < d; i += 32) {
         const __mmask32 m = tail32(d - i);
@@ -166,38 +181,41 @@ void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, con
       scores[g * len + l] = sc;
       top[g] = std::max(top[g], sc);
     }
-  }
-  for (int64_t g = 0; g < group; ++g) {
+  });
+  for (int g = 0; g < G; ++g) {
     float* row = scores.data() + g * len;
-    __m512 total = _mm512_setzero_ps();
+    __m512 sum = _mm512_setzero_ps();
     for (int64_t l = 0; l < len; l += 16) {
       const __mmask16 m = tail16(len - l);
       const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l),
                                                                             _mm512_set1_ps(top[g]))));
       _mm512_mask_storeu_ps(row + l, m, e);
-      total = _mm512_add_ps(total, e);
+      sum = _mm512_add_ps(sum, e);
     }
-    top[g] = _mm512_reduce_add_ps(total);                  // now the softmax denominator
+    total[g] = _mm512_reduce_add_ps(sum);                  // the softmax denominator
   }
-  acc.assign(group * d, 0.0f);
-  for (int64_t l = 0; l < len; ++l) {
-    const uint16_t* v = row_of(vc, begin + l);
-    for (int64_t i = 0; i < d; i += 16) {
-      const __mmask16 m = tail16(d - i);
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 m = tail16(d - i);
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for_each_key(vc, table, begin, end, s, kvh, [&](int64_t l, const uint16_t* v) {
       const __m512 vv = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, v + i));
-      for (int64_t g = 0; g < group; ++g) {
-        float* a = acc.data() + g * d + i;
-        _mm512_mask_storeu_ps(a, m, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + l]), vv,
-                                                     _mm512_maskz_loadu_ps(m, a)));
-      }
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + l]), vv, acc[g]);
+    });
+    for (int g = 0; g < G; ++g) {
+      const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
+      alignas(64) float o[16];
+      _mm512_store_ps(o, _mm512_mul_ps(acc[g], _mm512_set1_ps(inv)));
+      at::BFloat16* dst = out + (t * s.heads + kvh * G + g) * d + i;
+      for (int64_t j = 0; j < std::min<int64_t>(16, d - i); ++j) dst[j] = at::BFloat16(o[j]);
     }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = top[g] > 0.0f ? 1.0f / top[g] : 0.0f;
-    at::BFloat16* o = out + (t * s.heads + kvh * group + g) * d;
-    for (int64_t i = 0; i < d; ++i) o[i] = at::BFloat16(acc[g * d + i] * inv);
   }
 }
+
+using GroupFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
+                         const AttentionShape&, int64_t, int64_t, float, std::vector<float>&, at::BFloat16*);
+constexpr GroupFn kGroupFns[kMaxGroup] = {attend_group<1>, attend_group<2>, attend_group<3>, attend_group<4>,
+                                          attend_group<5>, attend_group<6>, attend_group<7>, attend_group<8>};
 
 at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& block_tables, const at::Tensor& token_keys,
@@ -208,7 +226,8 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, 
               v_cache.scalar_type() == at::kBFloat16, "paged_attention_bf16: bf16 tensors expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_bf16: contiguous caches expected");
   const AttentionShape s{q.size(1), k_cache.size(1), q.size(2), block_size, block_tables.size(1)};
-  TORCH_CHECK(k_cache.size(2) == s.dim && s.heads % s.kv_heads == 0, "paged_attention_bf16: head shapes disagree");
+  TORCH_CHECK(k_cache.size(2) == s.dim && s.heads % s.kv_heads == 0 && s.heads / s.kv_heads <= kMaxGroup,
+              "paged_attention_bf16: head shapes disagree (or more than 8 query heads per K/V head)");
   TORCH_CHECK(block_tables.dim() == 2 && token_keys.dim() == 2 && token_keys.size(0) == q.size(0) &&
               token_keys.size(1) == 3, "paged_attention_bf16: block tables [R, NB] and token keys [T, 3] expected");
   const at::Tensor qc = q.contiguous(), tables = block_tables.to(at::kLong).contiguous();
@@ -225,11 +244,12 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t* tp = tables.data_ptr<int64_t>();
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, q.size(0) * s.kv_heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores, acc;
+    std::vector<float> scores;
+    const GroupFn attend = kGroupFns[s.heads / s.kv_heads - 1];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / s.kv_heads, kvh = i % s.kv_heads;
-      attend_group(qp, kp, vp, tp + kp3[3 * t] * s.blocks_per_req, kp3[3 * t + 1], kp3[3 * t + 2], s, t, kvh,
-                   static_cast<float>(scale), scores, acc, op);
+      attend(qp, kp, vp, tp + kp3[3 * t] * s.blocks_per_req, kp3[3 * t + 1], kp3[3 * t + 2], s, t, kvh,
+             static_cast<float>(scale), scores, op);
     }
   });
   return out;
