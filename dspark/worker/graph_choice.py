@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from dspark.config import cache_root
 from dspark.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,8 @@ class GraphChoice:
 
 
 def default_cache_path() -> Path:
-    """~/.cache/dspark/graph_choice.json (under $XDG_CACHE_HOME when it is set)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dspark" / "graph_choice.json"
+    """graph_choice.json in dspark's cache folder (config.cache_root)."""
+    return cache_root() / "graph_choice.json"
 
 
 def auto_mode(model: CausalLM, device: torch.device, aux_layer_ids: tuple[int, ...],

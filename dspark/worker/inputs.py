@@ -122,8 +122,10 @@ def _request_metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int],
 def _token_keys(q_lens: list[int], starts: list[int], window: int | None) -> torch.Tensor:
     """[T, 3]: each token's request, first key and end key (causal, within the window): the
     per-token form of `_mask`, for kernels that read keys in place."""
-    request = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
-    end = torch.cat([torch.arange(s + 1, s + q + 1) for s, q in zip(starts, q_lens)])
+    lens = torch.tensor(q_lens)
+    request = torch.repeat_interleave(torch.arange(len(q_lens)), lens)
+    first_row = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    end = torch.tensor(starts)[request] + torch.arange(request.shape[0]) - first_row + 1
     begin = (end - window).clamp(min=0) if window is not None else torch.zeros_like(end)
     return torch.stack([request, begin, end], 1)
 

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dspark.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
@@ -37,8 +39,7 @@ FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dspark" / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:

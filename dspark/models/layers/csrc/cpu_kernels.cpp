@@ -82,17 +82,18 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   TORCH_CHECK(packed.dim() == 5 && packed.size(1) == (in + kTileK - 1) / kTileK &&
               packed.size(0) == (out + kTileRows - 1) / kTileRows,
               "amx_linear: the packed weight does not fit x [", rows, ", ", in, "] and ", out, " outputs");
-  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == out, "amx_linear: bias of ", out, " expected");
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || (bias->numel() == out && bias->scalar_type() == at::kBFloat16),
+              "amx_linear: a bf16 bias of ", out, " expected");
   const int64_t ob = packed.size(0), kb = packed.size(1);
   std::vector<uint16_t> xpad(rows * kb * kTileK, 0);          // whole tiles of columns, zero padded
   const at::Tensor xc = x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   for (int64_t m = 0; m < rows; ++m) std::copy(xs + m * in, xs + (m + 1) * in, xpad.data() + m * kb * kTileK);
   at::Tensor bc;
-  if (bias.has_value() && bias->defined()) bc = bias->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) bc = bias->contiguous();
   at::Tensor y = at::empty({rows, out}, x.options());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  const at::BFloat16* bp = bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
   TileConfig cfg;
   cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(rows);     // tile 0: C (fp32), tile 1: A (x)
@@ -107,7 +108,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
       const int64_t cols = std::min(kTileRows, out - o * kTileRows);
       for (int64_t m = 0; m < rows; ++m)
         for (int64_t j = 0; j < cols; ++j)
-          yp[m * out + o * kTileRows + j] = at::BFloat16(c[m * kTileRows + j] + (bp ? bp[o * kTileRows + j] : 0.0f));
+          yp[m * out + o * kTileRows + j] =
+              at::BFloat16(c[m * kTileRows + j] + (bp ? static_cast<float>(bp[o * kTileRows + j]) : 0.0f));
     }
     _tile_release();
   });
