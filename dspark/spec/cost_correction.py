@@ -9,11 +9,11 @@ step's wall time is compared with what the table predicted for its shape, per ki
 drafted) and size class (the powers of two of the tokens the target ran), in exponentially
 decayed sums, and the planner multiplies a plan's predicted cost by the ratio of its kind and
 class. Kinds are kept apart because a step's time is measured whole: a drafter pass mispriced
-by the table must not reprice plain steps of the same size. A class never seen takes the ratio of the nearest one of its kind that was, and
-a kind never seen keeps the table's word: the first drafted steps, and the probes that keep every
-request's confidences current, teach the drafted classes. Only past steps enter, so a plan still
-cannot depend on the drafts it will admit. A class that settles 2x or more off the table says,
-once, that the table is stale.
+by the table must not reprice plain steps of the same size. A class never seen takes the ratio
+of the nearest one of its kind that was, and a kind never seen keeps the table's word: the
+first drafted steps, and the probes that keep every request's confidences current, teach the
+drafted classes. Only past steps enter, so a plan still cannot depend on the drafts it will
+admit. A class that settles 2x or more off the table says, once, that the table is stale.
 """
 
 from __future__ import annotations

@@ -202,9 +202,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         noise = exponential_noise(tuple(probs.shape), [st.generators[i] for i in rows], logits.device)
         sampled[rows] = index.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
     rest = [i for i, fit in enumerate(fits) if not fit]
-    if rest:
-        sub = st.select(rest)
-        probs = processed_probs(logits[rest], sub)
+    if rest:                        # all rows (the usual case): no [N, V] copy of the logits
+        sub_logits, sub = (logits, st) if not rows else (logits[rest], st.select(rest))
+        probs = processed_probs(sub_logits, sub)
         sampled[rest] = (probs / exponential_noise(tuple(probs.shape), sub.generators,
                                                    logits.device)).argmax(dim=-1)
     return torch.where(st.greedy, greedy_tokens, sampled)
