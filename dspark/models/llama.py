@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from dspark.models.layers.attention import AttentionMetadata, attend
 from dspark.models.layers.norm import RMSNorm
 from dspark.models.layers.rotary import RotaryEmbedding, apply_rotary
 from dspark.models.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from dspark.models.fused_stack import FusedStack
 
 
 @dataclass
@@ -111,6 +115,8 @@ def layer_transition(layer: DecoderLayer, next_layer: DecoderLayer | None, x: to
 
 
 class CausalLM(nn.Module):
+    fused_stack: "FusedStack | None" = None      # set by fused_stack.fuse_small_steps
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.config = cfg
@@ -152,7 +158,11 @@ class CausalLM(nn.Module):
                   entry: Callable | None = None, transition: Callable | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stack as pieces with eager attention between them; `entry` (`embed_and_enter`) and
-        `transition` (`layer_transition`) may be swapped for compiled versions of themselves."""
+        `transition` (`layer_transition`) may be swapped for compiled versions of themselves. A
+        step the target's fused stack takes (fused_stack.py: a few bf16 rows on an AMX CPU) runs
+        there instead, one kernel call per layer, whichever pieces were given."""
+        if self.fused_stack is not None and self.fused_stack.takes(input_ids.shape[0], meta):
+            return self.fused_stack.run(self, input_ids, positions, meta, kv_caches, aux_layer_ids)
         entry = entry or self.embed_and_enter
         transition = transition or layer_transition
         x, cos, sin, q, k, v = entry(input_ids, positions)

@@ -32,7 +32,9 @@ from dspark.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decoder_layer.cpp")    # compiled side by side
+HEADERS = (CSRC / "cpu_kernels.h",)
 MAX_ROWS = 16                    # rows of x `tile_linear` takes; more go to oneDNN
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DNDEBUG"]
@@ -46,29 +48,44 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
-def _command(compiler: str, out: Path) -> list[str]:
-    from torch.utils.cpp_extension import include_paths, library_paths
+def _compile_command(compiler: str, source: Path, out: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    libs = library_paths()
     return [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()),
-            str(SOURCE), "-shared", "-o", str(out), *(f"-L{p}" for p in libs),
-            *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
+            "-c", str(source), "-o", str(out)]
+
+
+def _link_command(compiler: str, objects: list[Path], out: Path) -> list[str]:
+    from torch.utils.cpp_extension import library_paths
+    libs = library_paths()
+    return [compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(out),
+            *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
+
+
+def _run_all(commands: list[list[str]]) -> None:
+    """Run the commands side by side (one per source: the torch headers dominate each)."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+    errors = [p.communicate()[1] for p in procs]
+    for p, err in zip(procs, errors):
+        if p.returncode != 0:
+            raise RuntimeError(f"compiling dspark's CPU kernels failed:\n{err[-2000:]}")
 
 
 def _build(compiler: str) -> Path:
-    """Compile the kernel unless a build of the same source, torch and compiler is cached."""
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + compiler.encode()
-                         + " ".join(FLAGS).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"cpu_kernels-{key}.so"
+    """Compile the kernels unless a build of the same sources, torch and compiler is cached."""
+    digest = hashlib.sha256(torch.__version__.encode() + compiler.encode() + " ".join(FLAGS).encode())
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    lib = cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        part = Path(tmp) / lib.name
+        objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
         logger.info("compiling dspark's CPU kernels (once, cached in %s)", lib.parent)
-        done = subprocess.run(_command(compiler, part), capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+        _run_all([_compile_command(compiler, src, obj) for src, obj in zip(SOURCES, objects)])
+        part = Path(tmp) / lib.name
+        _run_all([_link_command(compiler, objects, part)])
         os.replace(part, lib)            # atomic: concurrent ranks never load a half-written file
     return lib
 

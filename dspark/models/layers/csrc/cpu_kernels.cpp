@@ -11,9 +11,9 @@
 // bf16 pairs interleaved as the instruction reads them), one contiguous stream per 16 output
 // columns, prefetched a few tiles ahead. An output depends only on its own row of x: a row
 // gives bit-identical results alone or beside fifteen others.
-#include <ATen/ATen.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -23,6 +23,7 @@
 #include <cmath>
 #include <vector>
 
+namespace dspark_cpu {
 namespace {
 
 constexpr int64_t kTileRows = 16;        // rows of x per tile, and output columns per tile
@@ -74,27 +75,15 @@ inline void column_tile(const uint16_t* xp, const uint16_t* tiles, int64_t kb, f
   _tile_stored(0, c, kTileRows * 4);
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out,
-                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 && x.size(0) <= kTileRows,
-              "amx_linear: x of 1 to 16 bf16 rows expected, got ", x.sizes(), " ", x.scalar_type());
-  const int64_t rows = x.size(0), in = x.size(1);
-  TORCH_CHECK(packed.dim() == 5 && packed.size(1) == (in + kTileK - 1) / kTileK &&
-              packed.size(0) == (out + kTileRows - 1) / kTileRows,
-              "amx_linear: the packed weight does not fit x [", rows, ", ", in, "] and ", out, " outputs");
-  TORCH_CHECK(!bias.has_value() || !bias->defined() || (bias->numel() == out && bias->scalar_type() == at::kBFloat16),
-              "amx_linear: a bf16 bias of ", out, " expected");
+}  // namespace
+
+void linear_rows(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tensor& packed, int64_t out,
+                 const at::BFloat16* bias, at::BFloat16* y) {
   const int64_t ob = packed.size(0), kb = packed.size(1);
   std::vector<uint16_t> xpad(rows * kb * kTileK, 0);          // whole tiles of columns, zero padded
-  const at::Tensor xc = x.contiguous();
-  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x);
   for (int64_t m = 0; m < rows; ++m) std::copy(xs + m * in, xs + (m + 1) * in, xpad.data() + m * kb * kTileK);
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) bc = bias->contiguous();
-  at::Tensor y = at::empty({rows, out}, x.options());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const at::BFloat16* bp = bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr;
-  auto* yp = y.data_ptr<at::BFloat16>();
   TileConfig cfg;
   cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(rows);     // tile 0: C (fp32), tile 1: A (x)
   cfg.colsb[0] = cfg.colsb[1] = 64;
@@ -108,11 +97,36 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
       const int64_t cols = std::min(kTileRows, out - o * kTileRows);
       for (int64_t m = 0; m < rows; ++m)
         for (int64_t j = 0; j < cols; ++j)
-          yp[m * out + o * kTileRows + j] =
-              at::BFloat16(c[m * kTileRows + j] + (bp ? static_cast<float>(bp[o * kTileRows + j]) : 0.0f));
+          y[m * out + o * kTileRows + j] =
+              at::BFloat16(c[m * kTileRows + j] + (bias ? static_cast<float>(bias[o * kTileRows + j]) : 0.0f));
     }
     _tile_release();
   });
+}
+
+void check_linear(const at::Tensor& packed, int64_t rows, int64_t in, int64_t out, const char* what) {
+  TORCH_CHECK(rows >= 1 && rows <= kTileRows, what, ": x of 1 to 16 bf16 rows expected, got ", rows);
+  TORCH_CHECK(packed.dim() == 5 && packed.size(1) == (in + kTileK - 1) / kTileK &&
+              packed.size(0) == (out + kTileRows - 1) / kTileRows && packed.scalar_type() == at::kBFloat16 &&
+              packed.is_contiguous(),
+              what, ": the packed weight does not fit x [", rows, ", ", in, "] and ", out, " outputs");
+}
+
+namespace {
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "amx_linear: x of 1 to 16 bf16 rows expected, got ", x.sizes(), " ", x.scalar_type());
+  check_linear(packed, x.size(0), x.size(1), out, "amx_linear");
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || (bias->numel() == out && bias->scalar_type() == at::kBFloat16),
+              "amx_linear: a bf16 bias of ", out, " expected");
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) bc = bias->contiguous();
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), out}, x.options());
+  linear_rows(xc.data_ptr<at::BFloat16>(), x.size(0), x.size(1), packed, out,
+              bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>());
   return y;
 }
 
@@ -124,26 +138,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
 // and values in place through the block table: scores by VDPBF16PS, an fp32 softmax, and the
 // weighted values summed in fp32.
 
-// e^x for x <= 0 (softmax arguments after the max is subtracted), to a few fp32 ulps.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));            // x / ln 2
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  // |f| <= ln2/2
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline __mmask16 tail16(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 inline __mmask32 tail32(int64_t left) { return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1; }
 
-struct AttentionShape {
-  int64_t heads, kv_heads, dim, block_size, blocks_per_req;
-};
-
-constexpr int kMaxGroup = 8;             // query heads per K/V head the kernel takes
 
 // Calls fn(i, row) for keys [begin, end) of one K/V head: i counts from 0, row is the key's
 // [D] vector in the cache. Walks block by block, so no division per key.
@@ -189,7 +186,7 @@ void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, con
     __m512 sum = _mm512_setzero_ps();
     for (int64_t l = 0; l < len; l += 16) {
       const __mmask16 m = tail16(len - l);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l),
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l),
                                                                             _mm512_set1_ps(top[g]))));
       _mm512_mask_storeu_ps(row + l, m, e);
       sum = _mm512_add_ps(sum, e);
@@ -219,48 +216,66 @@ using GroupFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, cons
 constexpr GroupFn kGroupFns[kMaxGroup] = {attend_group<1>, attend_group<2>, attend_group<3>, attend_group<4>,
                                           attend_group<5>, attend_group<6>, attend_group<7>, attend_group<8>};
 
-at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& block_tables, const at::Tensor& token_keys,
-                                int64_t block_size, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
-              "paged_attention_bf16: q [T, H, D] and caches [S, KVH, D] expected");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-              v_cache.scalar_type() == at::kBFloat16, "paged_attention_bf16: bf16 tensors expected");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_bf16: contiguous caches expected");
-  const AttentionShape s{q.size(1), k_cache.size(1), q.size(2), block_size, block_tables.size(1)};
-  TORCH_CHECK(k_cache.size(2) == s.dim && s.heads % s.kv_heads == 0 && s.heads / s.kv_heads <= kMaxGroup,
-              "paged_attention_bf16: head shapes disagree (or more than 8 query heads per K/V head)");
-  TORCH_CHECK(block_tables.dim() == 2 && token_keys.dim() == 2 && token_keys.size(0) == q.size(0) &&
-              token_keys.size(1) == 3, "paged_attention_bf16: block tables [R, NB] and token keys [T, 3] expected");
-  const at::Tensor qc = q.contiguous(), tables = block_tables.to(at::kLong).contiguous();
-  const at::Tensor keys = token_keys.to(at::kLong).contiguous();
-  const int64_t* kp3 = keys.data_ptr<int64_t>();
-  for (int64_t t = 0; t < q.size(0); ++t)
-    TORCH_CHECK(kp3[3 * t] >= 0 && kp3[3 * t] < tables.size(0) && 0 <= kp3[3 * t + 1] &&
-                kp3[3 * t + 1] <= kp3[3 * t + 2] && kp3[3 * t + 2] <= s.blocks_per_req * block_size,
-                "paged_attention_bf16: token ", t, " names keys outside its request's block table");
-  at::Tensor out = at::empty_like(qc);
-  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+}  // namespace
+
+void check_token_keys(const int64_t* keys, int64_t tokens, int64_t requests, int64_t max_keys) {
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(keys[3 * t] >= 0 && keys[3 * t] < requests && 0 <= keys[3 * t + 1] &&
+                keys[3 * t + 1] <= keys[3 * t + 2] && keys[3 * t + 2] <= max_keys,
+                "paged attention: token ", t, " names keys outside its request's block table");
+}
+
+void attend_tokens(const at::BFloat16* q, int64_t tokens, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const int64_t* tables, const int64_t* keys, const AttentionShape& s, float scale,
+                   at::BFloat16* out) {
+  const auto* qp = reinterpret_cast<const uint16_t*>(q);
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, q.size(0) * s.kv_heads, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, tokens * s.kv_heads, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     const GroupFn attend = kGroupFns[s.heads / s.kv_heads - 1];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / s.kv_heads, kvh = i % s.kv_heads;
-      attend(qp, kp, vp, tp + kp3[3 * t] * s.blocks_per_req, kp3[3 * t + 1], kp3[3 * t + 2], s, t, kvh,
-             static_cast<float>(scale), scores, op);
+      attend(qp, kp, vp, tables + keys[3 * t] * s.blocks_per_req, keys[3 * t + 1], keys[3 * t + 2], s, t, kvh,
+             scale, scores, out);
     }
   });
+}
+
+void check_attention(const at::Tensor& k_cache, const at::Tensor& v_cache, const AttentionShape& s) {
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
+              v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged attention: contiguous bf16 caches [S, KVH, D] expected");
+  TORCH_CHECK(k_cache.size(1) == s.kv_heads && k_cache.size(2) == s.dim && s.heads % s.kv_heads == 0 &&
+              s.heads / s.kv_heads <= kMaxGroup,
+              "paged attention: head shapes disagree (or more than 8 query heads per K/V head)");
+}
+
+namespace {
+
+at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& token_keys,
+                                int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && k_cache.dim() == 3,
+              "paged_attention_bf16: bf16 q [T, H, D] and caches [S, KVH, D] expected");
+  const AttentionShape s{q.size(1), k_cache.size(1), q.size(2), block_size, block_tables.size(1)};
+  check_attention(k_cache, v_cache, s);
+  TORCH_CHECK(block_tables.dim() == 2 && token_keys.dim() == 2 && token_keys.size(0) == q.size(0) &&
+              token_keys.size(1) == 3, "paged_attention_bf16: block tables [R, NB] and token keys [T, 3] expected");
+  const at::Tensor qc = q.contiguous(), tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor keys = token_keys.to(at::kLong).contiguous();
+  check_token_keys(keys.data_ptr<int64_t>(), q.size(0), tables.size(0), s.blocks_per_req * block_size);
+  at::Tensor out = at::empty_like(qc);
+  attend_tokens(qc.data_ptr<at::BFloat16>(), q.size(0), k_cache, v_cache, tables.data_ptr<int64_t>(),
+                keys.data_ptr<int64_t>(), s, static_cast<float>(scale), out.data_ptr<at::BFloat16>());
   return out;
 }
 
 }  // namespace
+}  // namespace dspark_cpu
 
 TORCH_LIBRARY(dspark_cpu, m) {
-  m.def("amx_init() -> bool", &amx_init);                      // no tensor argument: one kernel
+  m.def("amx_init() -> bool", &dspark_cpu::amx_init);                      // no tensor argument: one kernel
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int out, Tensor? bias) -> Tensor");
   m.def("paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor token_keys, "
@@ -268,7 +283,7 @@ TORCH_LIBRARY(dspark_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(dspark_cpu, CPU, m) {
-  m.impl("amx_pack", &amx_pack);
-  m.impl("amx_linear", &amx_linear);
-  m.impl("paged_attention_bf16", &paged_attention_bf16);
+  m.impl("amx_pack", &dspark_cpu::amx_pack);
+  m.impl("amx_linear", &dspark_cpu::amx_linear);
+  m.impl("paged_attention_bf16", &dspark_cpu::paged_attention_bf16);
 }

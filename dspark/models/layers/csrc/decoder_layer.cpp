@@ -1,0 +1,224 @@
+// decoder_layer_bf16: one whole Llama-family decoder layer for a step of at most 16 rows.
+//
+// At such steps the projections stream their weights at the machine's read speed (AMX tiles),
+// and what is left of a step is the glue between them: two RMSNorms, the rotary embedding, the
+// K/V write, two residual adds and the SiLU gate, about forty small torch operators per layer,
+// each a few microseconds of dispatch for a few thousand multiply-adds. Here they run as plain
+// loops between the projection and attention kernels, one call per layer. Every intermediate
+// is rounded to bf16 where the torch modules round it (RMSNorm normalises in fp32, rounds, then
+// scales by the bf16 weight; rotary and the gate round each product and sum), so the layer
+// agrees with the modules to the rounding of an fp32 sum.
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace dspark_cpu {
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline bf16 round_bf16(float v) { return bf16(v); }
+
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
+}
+inline __m512 round16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }   // to bf16 and back
+inline void store16(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+
+// Runs fn(m) for rows [0, rows), on the thread pool when there are enough rows to pay for it.
+template <typename Fn>
+void for_rows(int64_t rows, Fn fn) {
+  if (rows < 4) {
+    for (int64_t m = 0; m < rows; ++m) fn(m);
+    return;
+  }
+  at::parallel_for(0, rows, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) fn(m);
+  });
+}
+
+// One row of `dim` values normalised in fp32, rounded, then scaled by the bf16 weight; in place
+// allowed (x == out).
+void rms_norm_row(const bf16* x, int64_t dim, const bf16* w, float eps, bf16* o) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __m512 v = load16(x + i, lanes(dim - i));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(dim) + eps));
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __mmask16 m = lanes(dim - i);
+    store16(o + i, _mm512_mul_ps(load16(w + i, m), round16(_mm512_mul_ps(load16(x + i, m), r))), m);
+  }
+}
+
+void rms_norm(const bf16* x, int64_t rows, int64_t dim, const bf16* w, float eps, bf16* out) {
+  for_rows(rows, [&](int64_t m) { rms_norm_row(x + m * dim, dim, w, eps, out + m * dim); });
+}
+
+// Rotate-half rotary embedding of `heads` [D] vectors in place: x * cos + rotate(x) * sin, each
+// product and the sum rounded to bf16.
+void rotate(bf16* x, int64_t heads, int64_t dim, const bf16* cos, const bf16* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    bf16* v = x + h * dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      const float lo = static_cast<float>(round_bf16(a * static_cast<float>(cos[i]))) +
+                       static_cast<float>(round_bf16(-b * static_cast<float>(sin[i])));
+      const float hi = static_cast<float>(round_bf16(b * static_cast<float>(cos[i + half]))) +
+                       static_cast<float>(round_bf16(a * static_cast<float>(sin[i + half])));
+      v[i] = round_bf16(lo);
+      v[i + half] = round_bf16(hi);
+    }
+  }
+}
+
+void add_into(bf16* acc, const bf16* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    store16(acc + i, _mm512_add_ps(load16(acc + i, m), load16(y + i, m)), m);
+  }
+}
+
+// act [I] = silu(gate) * up, the SiLU rounded to bf16 before the product (as torch computes it).
+void silu_gate_row(const bf16* gate, const bf16* up, int64_t n, bf16* act) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 g = load16(gate + i, m);
+    const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    store16(act + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
+  }
+}
+
+const bf16* optional_ptr(const c10::optional<at::Tensor>& t, int64_t numel, const char* what) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->numel() == numel && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
+              "decoder_layer_bf16: ", what, " must be a contiguous bf16 tensor of ", numel);
+  return t->data_ptr<bf16>();
+}
+
+const bf16* weight_ptr(const at::Tensor& t, int64_t numel, const char* what) {
+  return optional_ptr(c10::optional<at::Tensor>(t), numel, what);
+}
+
+struct LayerShape {
+  int64_t rows, hidden, heads, kv_heads, dim, intermediate;
+  int64_t q_size() const { return heads * dim; }
+  int64_t kv_size() const { return kv_heads * dim; }
+  int64_t qkv_size() const { return q_size() + 2 * kv_size(); }
+};
+
+// q, k, v of every row: input norm, fused projection, optional q/k norm, rotary on q and k.
+void attention_inputs(const bf16* x, const LayerShape& s, const bf16* norm, float eps, const at::Tensor& qkv_tiles,
+                      const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, const bf16* cos,
+                      const bf16* sin, std::vector<bf16>& h, std::vector<bf16>& qkv) {
+  rms_norm(x, s.rows, s.hidden, norm, eps, h.data());
+  linear_rows(h.data(), s.rows, s.hidden, qkv_tiles, s.qkv_size(), qkv_bias, qkv.data());
+  for_rows(s.rows, [&](int64_t m) {
+    bf16* q = qkv.data() + m * s.qkv_size();
+    bf16* k = q + s.q_size();
+    for (int64_t h = 0; q_norm && h < s.heads; ++h) rms_norm_row(q + h * s.dim, s.dim, q_norm, eps, q + h * s.dim);
+    for (int64_t h = 0; k_norm && h < s.kv_heads; ++h) rms_norm_row(k + h * s.dim, s.dim, k_norm, eps, k + h * s.dim);
+    rotate(q, s.heads, s.dim, cos + m * s.dim, sin + m * s.dim);
+    rotate(k, s.kv_heads, s.dim, cos + m * s.dim, sin + m * s.dim);
+  });
+}
+
+// The live rows' K/V go to their cache slots (slot -1: not stored).
+void write_kv(const std::vector<bf16>& qkv, const LayerShape& s, const int64_t* slots, int64_t live,
+              at::Tensor& k_cache, at::Tensor& v_cache) {
+  bf16* kc = k_cache.data_ptr<bf16>();
+  bf16* vc = v_cache.data_ptr<bf16>();
+  for (int64_t m = 0; m < live; ++m) {
+    const int64_t slot = slots[m];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < k_cache.size(0), "decoder_layer_bf16: slot ", slot, " is outside the cache");
+    const bf16* k = qkv.data() + m * s.qkv_size() + s.q_size();
+    std::copy(k, k + s.kv_size(), kc + slot * s.kv_size());
+    std::copy(k + s.kv_size(), k + 2 * s.kv_size(), vc + slot * s.kv_size());
+  }
+}
+
+// x [rows, hidden] += down(silu(gate) * up) of the post-attention norm of x.
+void mlp(bf16* x, const LayerShape& s, const bf16* norm, float eps, const at::Tensor& gate_up_tiles,
+         const at::Tensor& down_tiles, std::vector<bf16>& h) {
+  const int64_t inter = s.intermediate;
+  std::vector<bf16> gate_up(s.rows * 2 * inter), act(s.rows * inter);
+  rms_norm(x, s.rows, s.hidden, norm, eps, h.data());
+  linear_rows(h.data(), s.rows, s.hidden, gate_up_tiles, 2 * inter, nullptr, gate_up.data());
+  for_rows(s.rows, [&](int64_t m) {
+    const bf16* row = gate_up.data() + m * 2 * inter;
+    silu_gate_row(row, row + inter, inter, act.data() + m * inter);
+  });
+  linear_rows(act.data(), s.rows, inter, down_tiles, s.hidden, nullptr, h.data());
+  add_into(x, h.data(), s.rows * s.hidden);
+}
+
+at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& input_norm, const at::Tensor& qkv_tiles,
+                              const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
+                              const c10::optional<at::Tensor>& k_norm, const at::Tensor& o_tiles,
+                              const at::Tensor& post_norm, const at::Tensor& gate_up_tiles,
+                              const at::Tensor& down_tiles, at::Tensor k_cache, at::Tensor v_cache,
+                              const at::Tensor& row_slots, const at::Tensor& block_tables,
+                              const at::Tensor& token_keys, int64_t block_size, int64_t live, int64_t heads,
+                              int64_t intermediate, double eps, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "decoder_layer_bf16: x [T, hidden] bf16 expected");
+  const LayerShape s{x.size(0), x.size(1), heads, k_cache.size(1), k_cache.size(2), intermediate};
+  const AttentionShape as{heads, s.kv_heads, s.dim, block_size, block_tables.size(1)};
+  check_attention(k_cache, v_cache, as);
+  check_linear(qkv_tiles, s.rows, s.hidden, s.qkv_size(), "decoder_layer_bf16 (qkv)");
+  check_linear(o_tiles, s.rows, s.q_size(), s.hidden, "decoder_layer_bf16 (o)");
+  check_linear(gate_up_tiles, s.rows, s.hidden, 2 * intermediate, "decoder_layer_bf16 (gate/up)");
+  check_linear(down_tiles, s.rows, intermediate, s.hidden, "decoder_layer_bf16 (down)");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == s.rows * s.dim && cos.scalar_type() == at::kBFloat16 &&
+              sin.scalar_type() == at::kBFloat16, "decoder_layer_bf16: bf16 rotary tables of [T, D] expected");
+  TORCH_CHECK(0 <= live && live <= s.rows && row_slots.numel() == live && row_slots.scalar_type() == at::kLong &&
+              token_keys.dim() == 2 && token_keys.size(0) >= live && token_keys.size(1) == 3 &&
+              token_keys.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+              block_tables.scalar_type() == at::kLong,
+              "decoder_layer_bf16: int64 slots [live], token keys [>= live, 3] and block tables [R, NB] expected");
+  const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  const at::Tensor slots = row_slots.contiguous(), keys = token_keys.contiguous(), tables = block_tables.contiguous();
+  check_token_keys(keys.data_ptr<int64_t>(), live, tables.size(0), as.blocks_per_req * block_size);
+  const float e = static_cast<float>(eps);
+
+  std::vector<bf16> h(s.rows * std::max(s.hidden, s.q_size())), qkv(s.rows * s.qkv_size());
+  attention_inputs(xc.data_ptr<bf16>(), s, weight_ptr(input_norm, s.hidden, "input norm"), e, qkv_tiles,
+                   optional_ptr(qkv_bias, s.qkv_size(), "qkv bias"), optional_ptr(q_norm, s.dim, "q norm"),
+                   optional_ptr(k_norm, s.dim, "k norm"), cc.data_ptr<bf16>(), sc.data_ptr<bf16>(), h, qkv);
+  write_kv(qkv, s, slots.data_ptr<int64_t>(), live, k_cache, v_cache);
+
+  std::vector<bf16> q(s.rows * s.q_size()), attn(s.rows * s.q_size(), bf16(0.0f));
+  for (int64_t m = 0; m < s.rows; ++m)
+    std::copy(qkv.data() + m * s.qkv_size(), qkv.data() + m * s.qkv_size() + s.q_size(), q.data() + m * s.q_size());
+  attend_tokens(q.data(), live, k_cache, v_cache, tables.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), as,
+                static_cast<float>(scale), attn.data());   // padding rows (>= live) stay zero
+
+  at::Tensor out = xc.clone();
+  bf16* y = out.data_ptr<bf16>();
+  linear_rows(attn.data(), s.rows, s.q_size(), o_tiles, s.hidden, nullptr, h.data());
+  add_into(y, h.data(), s.rows * s.hidden);
+  mlp(y, s, weight_ptr(post_norm, s.hidden, "post-attention norm"), e, gate_up_tiles, down_tiles, h);
+  return out;
+}
+
+}  // namespace
+}  // namespace dspark_cpu
+
+TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
+  m.def("decoder_layer_bf16(Tensor x, Tensor cos, Tensor sin, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, "
+        "Tensor? q_norm, Tensor? k_norm, Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor row_slots, Tensor block_tables, Tensor token_keys, "
+        "int block_size, int live, int heads, int intermediate, float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dspark_cpu, CPU, m) { m.impl("decoder_layer_bf16", &dspark_cpu::decoder_layer_bf16); }

@@ -1,0 +1,147 @@
+"""The fused decoder layer (one kernel call per layer for small bf16 steps) against the modules."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dspark.models.fused_stack import fuse_small_steps, row_slots
+from dspark.models.layers import cpu_kernels
+from dspark.models.layers.linear import pack_for_inference
+from dspark.models.loader import load_target
+from dspark.worker.inputs import RequestChunk, build_inputs
+from tests.tiny import save_tiny
+
+BF16 = torch.bfloat16
+needs_tiles = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs AMX and a C++ compiler")
+BLOCK = 4
+
+
+def _target(tmp_path, family):
+    save_tiny(str(tmp_path), family, tied=family != "qwen2")
+    target = load_target(str(tmp_path), BF16)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():            # the checkpoint's norms are ones and its biases zeros
+        for name, p in target.model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                p.copy_(1.0 * name.endswith("weight") + 0.3 * torch.randn(p.shape, generator=g))
+    pack_for_inference(target.model, None)
+    assert fuse_small_steps(target.model)
+    return target.model
+
+
+def _caches(model, num_blocks, seed):
+    """Random K/V everywhere: context keys the step reads and slots it must not touch."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    shape = (num_blocks * BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.randn(shape, generator=g).to(BF16), torch.randn(shape, generator=g).to(BF16))
+            for _ in range(cfg.num_layers)]
+
+
+def _step(chunks, pad_to=None):
+    inp = build_inputs(chunks, BLOCK, torch.device("cpu"))
+    ids, pos, meta = inp.input_ids, inp.positions, inp.attn
+    live = ids.shape[0]
+    if pad_to is not None:                  # a graph bucket's dummy rows past the live ones
+        ids = torch.cat([ids, ids.new_zeros(pad_to - live)])
+        pos = torch.cat([pos, pos.new_zeros(pad_to - live)])
+        meta = dataclasses.replace(meta, num_tokens=live)
+    return ids, pos, meta, live
+
+
+def _ops(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+STEPS = {
+    "decode": [RequestChunk([5], 13, [3, 0, 7, 1], 1), RequestChunk([9], 2, [5], 1),
+               RequestChunk([17], 8, [2, 6, 4], 1)],
+    "verify": [RequestChunk([5, 8, 2, 11, 30], 9, [3, 0, 7, 1], 5), RequestChunk([9, 1, 4], 2, [5, 8], 3)],
+    "dummy_request": [RequestChunk([5, 8, 2], 6, [3, 0, 7], 3), RequestChunk([0, 0], 0, [-1], 1)],
+}
+
+
+@needs_tiles
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.parametrize("pad_to", [None, 16])
+def test_fused_layers_agree_with_the_modules_and_write_the_same_kv(tmp_path, family, step, pad_to):
+    model = _target(tmp_path, family)
+    ids, pos, meta, live = _step(STEPS[step], pad_to)
+    assert model.fused_stack.takes(ids.shape[0], meta)
+    aux_ids = (-1, 0, 1)
+    fused_caches, module_caches = _caches(model, 9, seed=1), _caches(model, 9, seed=1)
+    with torch.inference_mode():
+        ops = _ops(lambda: model.run_stack(ids, pos, meta, fused_caches, aux_ids))
+        assert "dspark_cpu::decoder_layer_bf16" in ops and "aten::rsqrt" not in ops   # no module norm
+        fused_caches = _caches(model, 9, seed=1)
+        x, aux = model.run_stack(ids, pos, meta, fused_caches, aux_ids)
+        fused, model.fused_stack = model.fused_stack, None
+        ref_meta = dataclasses.replace(meta, num_tokens=None)
+        ref_x, ref_aux = model.run_stack(ids[:live], pos[:live], ref_meta, module_caches, aux_ids)
+        model.fused_stack = fused
+    assert x.shape[0] == ids.shape[0] and torch.isfinite(x).all()
+    assert torch.allclose(x[:live].float(), ref_x.float(), rtol=2 ** -6, atol=2e-2)
+    assert torch.allclose(aux[:live].float(), ref_aux.float(), rtol=2 ** -6, atol=2e-2)
+    written = torch.zeros(fused_caches[0][0].shape[0], dtype=torch.bool)
+    written[meta.write_slots] = True
+    for (fk, fv), (mk, mv) in zip(fused_caches, module_caches):
+        assert torch.equal(fk[~written], mk[~written]) and torch.equal(fv[~written], mv[~written])
+        assert torch.allclose(fk[written].float(), mk[written].float(), rtol=2 ** -7, atol=1e-2)
+        assert torch.allclose(fv[written].float(), mv[written].float(), rtol=2 ** -7, atol=1e-2)
+        assert not torch.equal(fk[written], _caches(model, 9, seed=1)[0][0][written])
+
+
+@needs_tiles
+def test_a_row_gives_the_same_bits_alone_and_in_a_padded_bucket(tmp_path):
+    model = _target(tmp_path, "llama")
+    chunk = RequestChunk([5], 13, [3, 0, 7, 1], 1)
+    outs = []
+    for pad_to in (None, 8):
+        ids, pos, meta, _ = _step([chunk], pad_to)
+        with torch.inference_mode():
+            outs.append(model.run_stack(ids, pos, meta, _caches(model, 9, seed=2))[0][:1])
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_tiles
+def test_steps_the_fused_layers_do_not_take(tmp_path):
+    model = _target(tmp_path, "llama")
+    fused = model.fused_stack
+    _, _, meta, _ = _step([RequestChunk(list(range(17)), 0, [0, 1, 2, 3, 4], 1)])
+    assert not fused.takes(17, meta)                                    # more rows than a tile
+    _, _, meta, _ = _step(STEPS["decode"])
+    assert fused.takes(3, meta)
+    assert not fused.takes(3, dataclasses.replace(meta, token_keys=None))
+    assert not fused.takes(3, dataclasses.replace(meta, num_tokens=0))   # an all-dummy step
+    assert not fused.takes(3, dataclasses.replace(meta, max_q=cpu_kernels.MAX_QUERY + 1))
+
+
+def test_row_slots_mark_rows_that_store_nothing():
+    _, _, meta, live = _step(STEPS["dummy_request"])
+    assert meta.write_rows is not None
+    # positions 6, 7, 8 -> blocks 0, 0, 7 of the table; the dummy's two rows store nothing
+    assert row_slots(meta, live).tolist() == [0 * BLOCK + 2, 0 * BLOCK + 3, 7 * BLOCK + 0, -1, -1]
+    _, _, meta, live = _step(STEPS["decode"])
+    assert row_slots(meta, live).tolist() == [1 * BLOCK + 1, 5 * BLOCK + 2, 4 * BLOCK + 0]
+
+
+@needs_tiles
+def test_the_kernel_refuses_keys_outside_the_block_table(tmp_path):
+    model = _target(tmp_path, "llama")
+    ids, pos, meta, _ = _step(STEPS["decode"])
+    bad = meta.token_keys.clone()
+    bad[1, 2] = 99
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside its request's block table"):
+        model.run_stack(ids, pos, dataclasses.replace(meta, token_keys=bad), _caches(model, 9, seed=3))
+
+
+def test_without_tiles_there_is_no_fused_stack(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "tiles_available", lambda: False)
+    save_tiny(str(tmp_path), "llama", True)
+    target = load_target(str(tmp_path), BF16)
+    pack_for_inference(target.model, None)
+    assert not fuse_small_steps(target.model) and target.model.fused_stack is None
