@@ -16,7 +16,7 @@ from dspark.engine.block_manager import BlockManager
 from dspark.engine.output_processor import OutputProcessor
 from dspark.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dspark.engine.sequence import Sequence
-from dspark.models.fused_stack import fuse_small_steps
+from dspark.models.fused_stack import fuse_draft_blocks, fuse_small_steps
 from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.outputs import RequestOutput, SpecStats
@@ -69,6 +69,8 @@ class Engine:
         self.drafter = self._load_drafter(loaded)
         pack_for_inference(loaded.model, self.drafter)
         fuse_small_steps(loaded.model)
+        if self.drafter is not None:
+            fuse_draft_blocks(self.drafter)
         draft_bytes = 0 if self.drafter is None else bytes_per_block(
             self.drafter.config, cache.block_size, config.torch_dtype)
         needed = config.scheduler.max_num_seqs * (self.max_model_len + cache.block_size)

@@ -23,6 +23,7 @@ from dspark.models.layers import cpu_kernels
 from dspark.models.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
+    from dspark.models.drafter import DraftLayer, Drafter
     from dspark.models.llama import CausalLM, DecoderLayer
 
 logger = logging.getLogger(__name__)
@@ -59,15 +60,65 @@ def _fused_layer(layer: "DecoderLayer") -> FusedLayer | None:
         gate_up=mlp.gate_up_proj.tiles, down=mlp.down_proj.tiles)
 
 
-class FusedStack:
-    """A packed target's layers for decoder_layer_bf16; `fuse_small_steps` builds it."""
+def _joined_tiles(projections) -> Tensor | None:
+    """The tile copies of projections that share an input, as the one projection of their
+    stacked outputs (each output count a whole number of tiles); each projection's own tiles
+    become a view of it, so nothing is stored twice. None if any lacks tiles or has a bias."""
+    if any(p.tiles is None or p.bias is not None or p.out_features % 16 for p in projections):
+        return None
+    joined = torch.cat([p.tiles for p in projections])
+    first = 0
+    for p in projections:
+        p.tiles = joined[first: first + p.tiles.shape[0]]
+        first += p.tiles.shape[0]
+    return joined
 
-    def __init__(self, model: "CausalLM", layers: list[FusedLayer]):
-        cfg = model.config
+
+def _fused_draft_layer(layer: "DraftLayer") -> FusedLayer | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    norms += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
+    if attn.o_proj.tiles is None or mlp.down_proj.tiles is None or attn.o_proj.bias is not None \
+            or any(w.dtype != torch.bfloat16 for w in norms):
+        return None
+    qkv = _joined_tiles((attn.q_proj, attn.k_proj, attn.v_proj))
+    gate_up = _joined_tiles((mlp.gate_proj, mlp.up_proj))
+    if qkv is None or gate_up is None:
+        return None
+    return FusedLayer(
+        input_norm=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=None,
+        q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
+        k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
+        o=attn.o_proj.tiles, post_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=gate_up, down=mlp.down_proj.tiles)
+
+
+class _Fused:
+    """Layers for decoder_layer_bf16 and the shapes the kernel takes as arguments."""
+
+    def __init__(self, cfg, layers: list[FusedLayer]):
         self.layers = layers
         self.heads, self.intermediate = cfg.num_heads, cfg.intermediate_size
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
-        self.group = cfg.num_heads // cfg.num_kv_heads
+
+    def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                   slots: Tensor, meta_tables: Tensor, keys: Tensor, block_size: int, live: int,
+                   block_rows: int = 0, aux_layer_ids: tuple[int, ...] = ()
+                   ) -> tuple[Tensor, dict[int, Tensor]]:
+        """x [T, hidden] through every layer -> (x, the outputs of the aux layers)."""
+        aux = {-1: x} if -1 in aux_layer_ids else {}
+        op = torch.ops.dspark_cpu.decoder_layer_bf16
+        for i, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            x = op(x, cos, sin, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o, w.post_norm,
+                   w.gate_up, w.down, k_cache, v_cache, slots, meta_tables, keys, block_size, live,
+                   self.heads, self.intermediate, self.eps, self.scale, block_rows)
+            if i in aux_layer_ids:
+                aux[i] = x
+        return x, aux
+
+
+class FusedStack(_Fused):
+    """A packed target's layers for decoder_layer_bf16; `fuse_small_steps` builds it."""
 
     def takes(self, num_rows: int, meta: AttentionMetadata) -> bool:
         """Whether a step of `num_rows` rows (padding included) runs here."""
@@ -83,17 +134,50 @@ class FusedStack:
         x = model.embed_tokens(input_ids)                                      # [T, hidden]
         cos, sin = model.rotary.cos_sin(positions, x.dtype)                    # [T, 1, D]
         cos, sin = cos.view(t, -1), sin.view(t, -1)
-        slots = row_slots(meta, live)
-        keys, tables = meta.token_keys[:live], meta.block_tables
-        aux = {-1: x} if -1 in aux_layer_ids else {}
-        op = torch.ops.dspark_cpu.decoder_layer_bf16
-        for i, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x = op(x, cos, sin, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o, w.post_norm,
-                   w.gate_up, w.down, k_cache, v_cache, slots, tables, keys, meta.block_size, live,
-                   self.heads, self.intermediate, self.eps, self.scale)
-            if i in aux_layer_ids:
-                aux[i] = x
+        x, aux = self.run_layers(x, cos, sin, kv_caches, row_slots(meta, live), meta.block_tables,
+                                 meta.token_keys[:live], meta.block_size, live, aux_layer_ids=aux_layer_ids)
         return x, torch.cat([aux[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
+
+
+class FusedDraftStack(_Fused):
+    """A packed drafter's layers for decoder_layer_bf16 in block mode; `fuse_draft_blocks`
+    builds it. Its block pass reads the context K/V in place from the drafter's pages."""
+
+    def takes(self, num_rows: int) -> bool:
+        return 0 < num_rows <= cpu_kernels.MAX_ROWS
+
+    def block_forward(self, drafter: "Drafter", block_ids: Tensor, positions: Tensor,
+                      kv_caches: list[tuple[Tensor, Tensor]], block_tables: Tensor, starts: Tensor,
+                      block_size: int) -> Tensor:
+        """`Drafter.block_forward` with the context keys [0, start) of each request read through
+        its block table: block_ids/positions [R, S], block_tables [R, NB], starts [R] -> [R, S, d]."""
+        r, s = block_ids.shape
+        n = r * s
+        x = drafter.embed_tokens(block_ids.reshape(-1)).to(drafter.norm.weight.dtype)     # [R*S, d]
+        cos, sin = drafter.rotary.cos_sin(positions.reshape(-1), x.dtype)
+        keys = torch.stack([torch.arange(r, device=starts.device), torch.zeros_like(starts), starts], 1)
+        keys = keys.repeat_interleave(s, 0)                                               # [R*S, 3]
+        no_slots = torch.zeros(0, dtype=torch.long)
+        x, _ = self.run_layers(x, cos.view(n, -1), sin.view(n, -1), kv_caches, no_slots,
+                               block_tables.long(), keys, block_size, n, block_rows=s)
+        return drafter.norm(x).view(r, s, -1)
+
+    def markov_greedy(self, drafter: "Drafter", h: Tensor, base: Tensor, anchors: Tensor
+                      ) -> tuple[Tensor, Tensor] | None:
+        """The γ greedy drafts of a vanilla Markov head in one call (cpu_kernels'
+        markov_greedy_bf16): h [R, γ, d], base fp32 [R, γ, V_draft], anchors [R] -> (target ids
+        [R, γ], confidence logits fp32 [R, γ], zeros without a head); None where it cannot run
+        (another head type, a confidence head without the Markov input, more than 16 requests)."""
+        cfg, head, conf = drafter.config, drafter.markov_head, drafter.confidence_head
+        if head is None or head.head_type != "vanilla" or head.markov_w2.tiles is None \
+                or not 0 < h.shape[0] <= cpu_kernels.MAX_ROWS or h.dtype != torch.bfloat16:
+            return None
+        if conf is not None and (not cfg.confidence_head_with_markov or conf.proj.tiles is None):
+            return None
+        return torch.ops.dspark_cpu.markov_greedy_bf16(
+            base, h, anchors, head.markov_w1.weight, head.markov_w2.tiles,
+            None if conf is None else conf.proj.tiles, None if conf is None else conf.proj.bias,
+            drafter.draft_to_target_index if cfg.uses_draft_vocab else None)
 
 
 def row_slots(meta: AttentionMetadata, live: int) -> Tensor:
@@ -106,6 +190,20 @@ def row_slots(meta: AttentionMetadata, live: int) -> Tensor:
     return slots.index_copy_(0, meta.write_rows, meta.write_slots)
 
 
+def fuse_draft_blocks(drafter: "Drafter") -> bool:
+    """Give a packed bf16 drafter its FusedDraftStack (drafter.fused_blocks) where the kernels
+    run and its projections qualify (tile copies, no biases); -> whether it did."""
+    cfg = drafter.config
+    if not cpu_kernels.tiles_available() or cfg.num_heads // cfg.num_kv_heads > cpu_kernels.MAX_GROUP:
+        return False
+    layers = [_fused_draft_layer(layer) for layer in drafter.layers]
+    if any(layer is None for layer in layers):
+        return False
+    drafter.fused_blocks = FusedDraftStack(cfg, layers)
+    logger.info("draft blocks of up to %d rows run each draft layer as one kernel call", cpu_kernels.MAX_ROWS)
+    return True
+
+
 def fuse_small_steps(model: "CausalLM") -> bool:
     """Give a packed bf16 target its FusedStack (model.fused_stack) where the kernels run: every
     projection has its tile copy (pack_for_inference on an AMX CPU) and the norms are bf16.
@@ -115,9 +213,9 @@ def fuse_small_steps(model: "CausalLM") -> bool:
     layers = [_fused_layer(layer) for layer in model.layers]
     if any(layer is None for layer in layers):
         return False
-    model.fused_stack = FusedStack(model, layers)
+    model.fused_stack = FusedStack(model.config, layers)
     logger.info("steps of up to %d rows run each decoder layer as one kernel call", cpu_kernels.MAX_ROWS)
     return True
 
 
-__all__ = ["FusedLayer", "FusedStack", "fuse_small_steps", "row_slots"]
+__all__ = ["FusedDraftStack", "FusedLayer", "FusedStack", "fuse_draft_blocks", "fuse_small_steps", "row_slots"]

@@ -38,12 +38,19 @@ def propose(drafter: Drafter, kv: KVCaches, anchors: torch.Tensor, starts: torch
     `kv_len` is how many context keys to gather (default: the longest context, read with one
     device sync); a padded replay passes whole pages instead, known on the host. `run_block` runs
     the block pass (default: `block_pass` as it is; the compile backend passes its compiled form).
+    A block pass the drafter's fused layers take (fused_stack.py: a few bf16 rows on an AMX CPU)
+    runs there instead, reading the context in place.
     """
     cfg = drafter.config
     r, slots = anchors.shape[0], cfg.num_block_slots
     block_ids = torch.full((r, slots), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
     block_ids[:, 0] = anchors
     positions = starts[:, None] + torch.arange(slots, device=anchors.device)[None, :]   # [R, S]
+    fused = drafter.fused_blocks
+    if fused is not None and fused.takes(r * slots):
+        h_block = fused.block_forward(drafter, block_ids, positions, kv, block_tables, starts, block_size)
+        h, base, state = block_outputs(drafter, h_block, anchors)
+        return _markov_loop(drafter, h, base, anchors, state, st)
     if kv_len is None:
         kv_len = max(int(starts.max()), 1)
     ctx_k = [gather_blocks(k, block_tables, block_size, kv_len).transpose(1, 2) for k, _ in kv]
@@ -64,14 +71,26 @@ def block_pass(drafter: Drafter, block_ids: torch.Tensor, positions: torch.Tenso
     -> (h [R, γ, d], base logits fp32 [R, γ, V_draft], Markov state entering draft 1 or None).
     """
     h_block = drafter.block_forward(block_ids, positions, ctx_k, ctx_v, ctx_valid)    # [R, S, d]
+    return block_outputs(drafter, h_block, anchors)
+
+
+def block_outputs(drafter: Drafter, h_block: torch.Tensor, anchors: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """h_block [R, S, d] -> (h [R, γ, d], base logits fp32 [R, γ, V_draft], Markov state or None)."""
     h = drafter.draft_hidden(h_block)                                                  # [R, γ, d]
     return h, drafter.base_logits(h), drafter.init_markov_state(h_block, anchors)
 
 
 def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor,
                  state: torch.Tensor | None, st: SamplingTensors) -> DraftProposal:
-    """base [R, γ, V_draft]; sample x_k from softmax((U_k + B_k) / T) given x_{k-1}."""
+    """base [R, γ, V_draft]; sample x_k from softmax((U_k + B_k) / T) given x_{k-1}. A greedy
+    step's vanilla head runs as one kernel call where the drafter's fused layers run."""
     cfg = drafter.config
+    fused = drafter.fused_blocks.markov_greedy(drafter, h, base, anchors) \
+        if st.all_greedy and drafter.fused_blocks is not None else None
+    if fused is not None:
+        return DraftProposal(tokens=fused[0], probs=None,
+                             confidence_logits=fused[1] if cfg.enable_confidence_head else None)
     gamma = h.shape[1]
     tokens, probs, conf = [], [], []
     prev = anchors

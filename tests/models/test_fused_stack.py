@@ -10,7 +10,7 @@ from dspark.models.layers import cpu_kernels
 from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.worker.inputs import RequestChunk, build_inputs
-from tests.tiny import save_tiny
+from tiny import save_tiny
 
 BF16 = torch.bfloat16
 needs_tiles = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs AMX and a C++ compiler")

@@ -33,7 +33,7 @@ from dspark.config import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decoder_layer.cpp")    # compiled side by side
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decoder_layer.cpp", CSRC / "markov_head.cpp")   # side by side
 HEADERS = (CSRC / "cpu_kernels.h",)
 MAX_ROWS = 16                    # rows of x `tile_linear` takes; more go to oneDNN
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",

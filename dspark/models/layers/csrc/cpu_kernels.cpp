@@ -144,9 +144,10 @@ inline __mmask32 tail32(int64_t left) { return left >= 32 ? ~__mmask32(0) : (__m
 
 // Calls fn(i, row) for keys [begin, end) of one K/V head: i counts from 0, row is the key's
 // [D] vector in the cache. Walks block by block, so no division per key.
+// Then the `extra.count` keys of its own block, if any, numbered after them.
 template <typename Fn>
-inline void for_each_key(const uint16_t* cache, const int64_t* table, int64_t begin, int64_t end,
-                         const AttentionShape& s, int64_t kvh, Fn fn) {
+inline void for_each_key(const uint16_t* cache, const uint16_t* extra_rows, const int64_t* table, int64_t begin,
+                         int64_t end, const AttentionShape& s, const ExtraKeys& extra, int64_t kvh, Fn fn) {
   const int64_t stride = s.kv_heads * s.dim;
   for (int64_t l = begin; l < end;) {
     const int64_t off = l % s.block_size, n = std::min(s.block_size - off, end - l);
@@ -154,21 +155,24 @@ inline void for_each_key(const uint16_t* cache, const int64_t* table, int64_t be
     for (int64_t j = 0; j < n; ++j) fn(l - begin + j, row + j * stride);
     l += n;
   }
+  for (int64_t j = 0; j < extra.count; ++j) fn(end - begin + j, extra_rows + j * extra.stride + kvh * s.dim);
 }
 
 // The G query heads of token `t` that share K/V head `kvh`, over keys [begin, end) of the
-// request whose block table is `table`. The weighted values are summed 16 dimensions at a time
+// request whose block table is `table` (and the extra keys). The weighted values are summed 16 dimensions at a time
 // with the G sums in registers.
 template <int G>
 void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
-                  int64_t begin, int64_t end, const AttentionShape& s, int64_t t, int64_t kvh, float scale,
-                  std::vector<float>& scores, at::BFloat16* out) {
-  const int64_t d = s.dim, len = end - begin;
+                  int64_t begin, int64_t end, const AttentionShape& s, const ExtraKeys& extra, int64_t t,
+                  int64_t kvh, float scale, std::vector<float>& scores, at::BFloat16* out) {
+  const int64_t d = s.dim, len = end - begin + extra.count;
+  const auto* extra_k = reinterpret_cast<const uint16_t*>(extra.k);
+  const auto* extra_v = reinterpret_cast<const uint16_t*>(extra.v);
   const uint16_t* qt = q + (t * s.heads + kvh * G) * d;
   scores.resize(G * len);
   float top[G], total[G];
   for (int g = 0; g < G; ++g) top[g] = -INFINITY;
-  for_each_key(kc, table, begin, end, s, kvh, [&](int64_t l, const uint16_t* k) {
+  for_each_key(kc, extra_k, table, begin, end, s, extra, kvh, [&](int64_t l, const uint16_t* k) {
     for (int g = 0; g < G; ++g) {
       __m512 dot = _mm512_setzero_ps();
       for (int64_t i = 0; i < d; i += 32) {
@@ -197,7 +201,7 @@ void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, con
     const __mmask16 m = tail16(d - i);
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for_each_key(vc, table, begin, end, s, kvh, [&](int64_t l, const uint16_t* v) {
+    for_each_key(vc, extra_v, table, begin, end, s, extra, kvh, [&](int64_t l, const uint16_t* v) {
       const __m512 vv = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, v + i));
       for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + l]), vv, acc[g]);
     });
@@ -212,7 +216,8 @@ void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, con
 }
 
 using GroupFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
-                         const AttentionShape&, int64_t, int64_t, float, std::vector<float>&, at::BFloat16*);
+                         const AttentionShape&, const ExtraKeys&, int64_t, int64_t, float, std::vector<float>&,
+                         at::BFloat16*);
 constexpr GroupFn kGroupFns[kMaxGroup] = {attend_group<1>, attend_group<2>, attend_group<3>, attend_group<4>,
                                           attend_group<5>, attend_group<6>, attend_group<7>, attend_group<8>};
 
@@ -227,7 +232,7 @@ void check_token_keys(const int64_t* keys, int64_t tokens, int64_t requests, int
 
 void attend_tokens(const at::BFloat16* q, int64_t tokens, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const int64_t* tables, const int64_t* keys, const AttentionShape& s, float scale,
-                   at::BFloat16* out) {
+                   at::BFloat16* out, const BlockKeys& block) {
   const auto* qp = reinterpret_cast<const uint16_t*>(q);
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
@@ -236,8 +241,13 @@ void attend_tokens(const at::BFloat16* q, int64_t tokens, const at::Tensor& k_ca
     const GroupFn attend = kGroupFns[s.heads / s.kv_heads - 1];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / s.kv_heads, kvh = i % s.kv_heads;
-      attend(qp, kp, vp, tables + keys[3 * t] * s.blocks_per_req, keys[3 * t + 1], keys[3 * t + 2], s, t, kvh,
-             scale, scores, out);
+      ExtraKeys extra;
+      if (block.rows > 0) {
+        const int64_t first = (t / block.rows) * block.rows * block.stride;
+        extra = ExtraKeys{block.k + first, block.v + first, block.rows, block.stride};
+      }
+      attend(qp, kp, vp, tables + keys[3 * t] * s.blocks_per_req, keys[3 * t + 1], keys[3 * t + 2], s, extra, t,
+             kvh, scale, scores, out);
     }
   });
 }

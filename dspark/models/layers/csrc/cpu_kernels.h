@@ -33,11 +33,29 @@ void linear_rows(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tens
                  const at::BFloat16* bias, at::BFloat16* y);
 void check_linear(const at::Tensor& packed, int64_t rows, int64_t in, int64_t out, const char* what);
 
+// Keys beyond the paged cache: a token also attends to `count` rows (`stride` elements apart, the
+// K/V heads side by side in each) starting at `k` / `v`.
+struct ExtraKeys {
+  const at::BFloat16* k = nullptr;
+  const at::BFloat16* v = nullptr;
+  int64_t count = 0, stride = 0;
+};
+
+// A drafter's block: tokens are grouped `rows` at a time (token t in group t / rows), and each
+// token attends to every row of its group, whose K/V are rows of k / v `stride` elements apart.
+// rows = 0: no block keys.
+struct BlockKeys {
+  const at::BFloat16* k = nullptr;
+  const at::BFloat16* v = nullptr;
+  int64_t rows = 0, stride = 0;
+};
+
 // out [T, H, D] = each token's query heads over its request's keys, read in place through the
-// block tables [R, NB]; keys [T, 3] = (request, first key, end key), checked by check_token_keys.
+// block tables [R, NB]; keys [T, 3] = (request, first key, end key), checked by check_token_keys;
+// then over its block's keys (a drafter's block pass).
 void attend_tokens(const at::BFloat16* q, int64_t tokens, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const int64_t* tables, const int64_t* keys, const AttentionShape& s, float scale,
-                   at::BFloat16* out);
+                   at::BFloat16* out, const BlockKeys& block = {});
 void check_token_keys(const int64_t* keys, int64_t tokens, int64_t requests, int64_t max_keys);
 void check_attention(const at::Tensor& k_cache, const at::Tensor& v_cache, const AttentionShape& s);
 

@@ -8,6 +8,10 @@
 // is rounded to bf16 where the torch modules round it (RMSNorm normalises in fp32, rounds, then
 // scales by the bf16 weight; rotary and the gate round each product and sum), so the layer
 // agrees with the modules to the rounding of an fp32 sum.
+//
+// A drafter's layer is the same layer over its blocks (block_rows > 0): each row also attends,
+// without a mask, to the K/V of every row of its own block, which stay local; the context keys
+// come from the drafter's paged cache, and nothing is written to it (no slots).
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -170,7 +174,7 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
                               const at::Tensor& down_tiles, at::Tensor k_cache, at::Tensor v_cache,
                               const at::Tensor& row_slots, const at::Tensor& block_tables,
                               const at::Tensor& token_keys, int64_t block_size, int64_t live, int64_t heads,
-                              int64_t intermediate, double eps, double scale) {
+                              int64_t intermediate, double eps, double scale, int64_t block_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "decoder_layer_bf16: x [T, hidden] bf16 expected");
   const LayerShape s{x.size(0), x.size(1), heads, k_cache.size(1), k_cache.size(2), intermediate};
   const AttentionShape as{heads, s.kv_heads, s.dim, block_size, block_tables.size(1)};
@@ -181,11 +185,14 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
   check_linear(down_tiles, s.rows, intermediate, s.hidden, "decoder_layer_bf16 (down)");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == s.rows * s.dim && cos.scalar_type() == at::kBFloat16 &&
               sin.scalar_type() == at::kBFloat16, "decoder_layer_bf16: bf16 rotary tables of [T, D] expected");
-  TORCH_CHECK(0 <= live && live <= s.rows && row_slots.numel() == live && row_slots.scalar_type() == at::kLong &&
+  TORCH_CHECK(block_rows >= 0 && (block_rows == 0 || s.rows % block_rows == 0),
+              "decoder_layer_bf16: ", s.rows, " rows do not split into blocks of ", block_rows);
+  TORCH_CHECK(0 <= live && live <= s.rows && (row_slots.numel() == live || row_slots.numel() == 0) &&
+              row_slots.scalar_type() == at::kLong &&
               token_keys.dim() == 2 && token_keys.size(0) >= live && token_keys.size(1) == 3 &&
               token_keys.scalar_type() == at::kLong && block_tables.dim() == 2 &&
               block_tables.scalar_type() == at::kLong,
-              "decoder_layer_bf16: int64 slots [live], token keys [>= live, 3] and block tables [R, NB] expected");
+              "decoder_layer_bf16: int64 slots [live] or [0], token keys [>= live, 3] and block tables [R, NB] expected");
   const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   const at::Tensor slots = row_slots.contiguous(), keys = token_keys.contiguous(), tables = block_tables.contiguous();
   check_token_keys(keys.data_ptr<int64_t>(), live, tables.size(0), as.blocks_per_req * block_size);
@@ -195,13 +202,14 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
   attention_inputs(xc.data_ptr<bf16>(), s, weight_ptr(input_norm, s.hidden, "input norm"), e, qkv_tiles,
                    optional_ptr(qkv_bias, s.qkv_size(), "qkv bias"), optional_ptr(q_norm, s.dim, "q norm"),
                    optional_ptr(k_norm, s.dim, "k norm"), cc.data_ptr<bf16>(), sc.data_ptr<bf16>(), h, qkv);
-  write_kv(qkv, s, slots.data_ptr<int64_t>(), live, k_cache, v_cache);
+  if (slots.numel() > 0) write_kv(qkv, s, slots.data_ptr<int64_t>(), live, k_cache, v_cache);
 
   std::vector<bf16> q(s.rows * s.q_size()), attn(s.rows * s.q_size(), bf16(0.0f));
   for (int64_t m = 0; m < s.rows; ++m)
     std::copy(qkv.data() + m * s.qkv_size(), qkv.data() + m * s.qkv_size() + s.q_size(), q.data() + m * s.q_size());
+  const BlockKeys block{qkv.data() + s.q_size(), qkv.data() + s.q_size() + s.kv_size(), block_rows, s.qkv_size()};
   attend_tokens(q.data(), live, k_cache, v_cache, tables.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), as,
-                static_cast<float>(scale), attn.data());   // padding rows (>= live) stay zero
+                static_cast<float>(scale), attn.data(), block);   // padding rows (>= live) stay zero
 
   at::Tensor out = xc.clone();
   bf16* y = out.data_ptr<bf16>();
@@ -218,7 +226,7 @@ TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
   m.def("decoder_layer_bf16(Tensor x, Tensor cos, Tensor sin, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, "
         "Tensor? q_norm, Tensor? k_norm, Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor row_slots, Tensor block_tables, Tensor token_keys, "
-        "int block_size, int live, int heads, int intermediate, float eps, float scale) -> Tensor");
+        "int block_size, int live, int heads, int intermediate, float eps, float scale, int block_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dspark_cpu, CPU, m) { m.impl("decoder_layer_bf16", &dspark_cpu::decoder_layer_bf16); }
