@@ -167,7 +167,7 @@ class FusedDraftStack(_Fused):
         """The γ greedy drafts of a vanilla Markov head in one call (cpu_kernels'
         markov_greedy_bf16): h [R, γ, d], base fp32 [R, γ, V_draft], anchors [R] -> (target ids
         [R, γ], confidence logits fp32 [R, γ], zeros without a head); None where it cannot run
-        (another head type, a confidence head without the Markov input, more than 16 requests)."""
+        (another head type, a confidence head without the Markov input, more than 64 requests)."""
         cfg, head, conf = drafter.config, drafter.markov_head, drafter.confidence_head
         if head is None or head.head_type != "vanilla" or head.markov_w2.tiles is None \
                 or not 0 < h.shape[0] <= cpu_kernels.MAX_ROWS or h.dtype != torch.bfloat16:

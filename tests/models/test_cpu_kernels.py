@@ -52,9 +52,9 @@ def test_a_row_gives_the_same_bits_alone_and_beside_others():
 @needs_tiles
 def test_tile_linear_refuses_what_it_cannot_take():
     tiles = cpu_kernels.pack_tiles(torch.randn(8, 32).to(BF16))
-    with pytest.raises(RuntimeError, match="1 to 16 bf16 rows"):
-        cpu_kernels.tile_linear(torch.randn(17, 32).to(BF16), tiles, 8)
-    with pytest.raises(RuntimeError, match="1 to 16 bf16 rows"):
+    with pytest.raises(RuntimeError, match="1 to 64 bf16 rows"):
+        cpu_kernels.tile_linear(torch.randn(cpu_kernels.MAX_ROWS + 1, 32).to(BF16), tiles, 8)
+    with pytest.raises(RuntimeError, match="1 to 64 bf16 rows"):
         cpu_kernels.tile_linear(torch.randn(1, 32), tiles, 8)
     with pytest.raises(RuntimeError, match="does not fit"):
         cpu_kernels.tile_linear(torch.randn(1, 64).to(BF16), tiles, 8)
@@ -76,7 +76,7 @@ def test_small_steps_take_the_tiles_and_large_ones_onednn(bias):
     dense = lin.weight.clone()
     assert pack_linears(lin, drop_dense=True, tiles=True) == 1
     assert lin.tiles is not None and lin.weight.numel() == 0
-    small, large = torch.randn(2, 8, 96).to(BF16), torch.randn(17, 96).to(BF16)
+    small, large = torch.randn(2, 8, 96).to(BF16), torch.randn(cpu_kernels.MAX_ROWS + 1, 96).to(BF16)
     assert "dspark_cpu::amx_linear" in _ops(lambda: lin(small))
     assert "dspark_cpu::amx_linear" not in _ops(lambda: lin(large))
     expected = cpu_kernels.tile_linear(small.view(16, 96), cpu_kernels.pack_tiles(dense), 80, lin.bias)

@@ -69,11 +69,11 @@ def _module_pass(drafter, ids, pos, kv, tables, st, dtype):
 
 
 @needs_tiles
-@pytest.mark.parametrize("starts", [[9], [13, 0], [2, 7, 11]])
+@pytest.mark.parametrize("starts", [[9], [13, 0], [2, 7, 11], [1, 4, 6, 3, 9]])   # the last: 20 rows
 def test_fused_block_pass_is_as_close_to_fp32_as_the_bf16_modules(tmp_path, starts):
     drafter, reference = _pair(tmp_path)
     kv = _context(drafter)
-    tables = torch.tensor([[3, 0, 7, 1], [5, 8, 2, 6], [10, 4, 11, 9]])[:len(starts)]
+    tables = torch.tensor([[3, 0, 7, 1], [5, 8, 2, 6], [10, 4, 11, 9], [1, 2, 3, 4], [6, 5, 0, 8]])[:len(starts)]
     ids, pos, st = _blocks(drafter, starts)
     before = [(k.clone(), v.clone()) for k, v in kv]
     with torch.inference_mode():

@@ -61,23 +61,26 @@ STEPS = {
                RequestChunk([17], 8, [2, 6, 4], 1)],
     "verify": [RequestChunk([5, 8, 2, 11, 30], 9, [3, 0, 7, 1], 5), RequestChunk([9, 1, 4], 2, [5, 8], 3)],
     "dummy_request": [RequestChunk([5, 8, 2], 6, [3, 0, 7], 3), RequestChunk([0, 0], 0, [-1], 1)],
+    # 30 rows: two blocks of 16 rows in every projection
+    "wide_verify": [RequestChunk([7 + i, 8, 2, 11, 30], i, [8 + 3 * i, 9 + 3 * i, 10 + 3 * i], 5) for i in range(6)],
 }
 
 
 @needs_tiles
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("step", sorted(STEPS))
-@pytest.mark.parametrize("pad_to", [None, 16])
-def test_fused_layers_agree_with_the_modules_and_write_the_same_kv(tmp_path, family, step, pad_to):
+@pytest.mark.parametrize("pad", [False, True])
+def test_fused_layers_agree_with_the_modules_and_write_the_same_kv(tmp_path, family, step, pad):
     model = _target(tmp_path, family)
-    ids, pos, meta, live = _step(STEPS[step], pad_to)
+    rows = sum(len(c.token_ids) for c in STEPS[step])
+    ids, pos, meta, live = _step(STEPS[step], (16 if rows <= 16 else 64) if pad else None)
     assert model.fused_stack.takes(ids.shape[0], meta)
     aux_ids = (-1, 0, 1)
-    fused_caches, module_caches = _caches(model, 9, seed=1), _caches(model, 9, seed=1)
+    fused_caches, module_caches = _caches(model, 32, seed=1), _caches(model, 32, seed=1)
     with torch.inference_mode():
         ops = _ops(lambda: model.run_stack(ids, pos, meta, fused_caches, aux_ids))
         assert "dspark_cpu::decoder_layer_bf16" in ops and "aten::rsqrt" not in ops   # no module norm
-        fused_caches = _caches(model, 9, seed=1)
+        fused_caches = _caches(model, 32, seed=1)
         x, aux = model.run_stack(ids, pos, meta, fused_caches, aux_ids)
         fused, model.fused_stack = model.fused_stack, None
         ref_meta = dataclasses.replace(meta, num_tokens=None)
@@ -92,7 +95,7 @@ def test_fused_layers_agree_with_the_modules_and_write_the_same_kv(tmp_path, fam
         assert torch.equal(fk[~written], mk[~written]) and torch.equal(fv[~written], mv[~written])
         assert torch.allclose(fk[written].float(), mk[written].float(), rtol=2 ** -7, atol=1e-2)
         assert torch.allclose(fv[written].float(), mv[written].float(), rtol=2 ** -7, atol=1e-2)
-        assert not torch.equal(fk[written], _caches(model, 9, seed=1)[0][0][written])
+        assert not torch.equal(fk[written], _caches(model, 32, seed=1)[0][0][written])
 
 
 @needs_tiles

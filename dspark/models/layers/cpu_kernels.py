@@ -3,7 +3,7 @@
 At a small batch a decode step is a chain of matrix-vector products, so its speed is how fast
 the weights stream. oneDNN reads them at about half the machine's streaming bandwidth at one row
 (its blocked layout included); `tile_linear` reads them at close to that bandwidth for any count
-of rows up to 16, from a copy packed tile by tile (`pack_tiles`). Attention through torch copies
+of rows up to 64, from a copy packed tile by tile (`pack_tiles`). Attention through torch copies
 every request's pages into a padded tensor and runs small batched matmuls whose fixed costs dwarf
 the arithmetic; `paged_attention` reads the pages in place, for decode and verify rows
 (AVX512-BF16).
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decoder_layer.cpp", CSRC / "markov_head.cpp")   # side by side
 HEADERS = (CSRC / "cpu_kernels.h",)
-MAX_ROWS = 16                    # rows of x `tile_linear` takes; more go to oneDNN
+MAX_ROWS = 64                    # rows of x `tile_linear` takes; more go to oneDNN
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DNDEBUG"]
 

@@ -8,8 +8,9 @@ and the results are bit-identical, because the kernel is the same and only the l
 `pack_linears` converts an inference model once after loading; training never packs, because a
 packed copy does not follow updates to the weight.
 
-Projections of up to 16 rows go faster still through dspark's AMX kernel (`cpu_kernels`; a
+Projections of up to 64 rows go faster still through dspark's AMX kernel (`cpu_kernels`; a
 chain of SmolLM2's projections at 1-16 rows streams at 16-21 GB/s against oneDNN's 7-13 GB/s,
+and at 24-64 rows at 7-16 GB/s against 4-8 GB/s,
 with a 21 GB/s plain read alongside). It reads its own tile-by-tile copy of the weight, which a
 packed projection keeps beside the oneDNN copy on CPUs with AMX.
 """
@@ -105,7 +106,7 @@ def can_pack(weight: Tensor) -> bool:
 
 def pack_linears(module: nn.Module, drop_dense: bool, tiles: bool = False) -> int:
     """Give every `Linear` under `module` (itself included) its packed copy, and with `tiles`
-    (cpu_kernels.tiles_available()) its tile copy for steps of up to 16 rows; returns the count.
+    (cpu_kernels.tiles_available()) its tile copy for steps of up to 64 rows; returns the count.
 
     drop_dense releases the plain weight's storage (it keeps its dtype, shape metadata lives in
     in/out_features). Weights another module also holds (tied embeddings, a drafter sharing the

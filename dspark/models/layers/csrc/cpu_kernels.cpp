@@ -1,13 +1,13 @@
 // dspark's CPU kernels: the two parts of a bf16 decode or verify step that torch's own kernels
 // leave far from the machine's speed at small batches.
 //
-// amx_linear: y [M, O] = x [M, I] @ w [O, I]^T (+ b) for M <= 16 rows, through AMX tiles.
+// amx_linear: y [M, O] = x [M, I] @ w [O, I]^T (+ b) for M <= 64 rows, through AMX tiles.
 //
 // A decode step at a small batch streams every weight once, so it runs at the speed a kernel
 // reads memory. oneDNN reaches about half of it at one row; AVX-512 dot products reach it at
 // one row but fall to half at eight, where they run out of arithmetic. One tile multiply
 // (TDPBF16PS) takes up to 16 rows of x against 16 output columns over 32 input columns, so the
-// arithmetic is free up to 16 rows. The weight is stored tile by tile by amx_pack (1 KB each,
+// arithmetic is free up to 16 rows; up to four blocks of 16 rows share each weight tile load. The weight is stored tile by tile by amx_pack (1 KB each,
 // bf16 pairs interleaved as the instruction reads them), one contiguous stream per 16 output
 // columns, prefetched a few tiles ahead. An output depends only on its own row of x: a row
 // gives bit-identical results alone or beside fifteen others.
@@ -30,6 +30,7 @@ constexpr int64_t kTileRows = 16;        // rows of x per tile, and output colum
 constexpr int64_t kTileK = 32;           // input columns per tile (16 bf16 pairs)
 constexpr int64_t kTileElems = kTileK * kTileRows;
 constexpr int64_t kPrefetchTiles = 4;
+constexpr int kMaxRowBlocks = 4;         // blocks of 16 rows a call takes: C tiles 0-3
 
 struct TileConfig {                      // the 64-byte operand of LDTILECFG, palette 1
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -63,37 +64,62 @@ at::Tensor amx_pack(const at::Tensor& w) {
 }
 
 // Output columns [16 o, 16 o + 16) for all rows of x (padded to whole tiles in xp).
+// One block of 16 rows: A (tile 4) against the loaded B (tile 5) into C tile RB (the tile
+// intrinsics take their register numbers as literals, hence a macro).
+#define DSPARK_ROW_BLOCK(RB)                                                                   \
+  do {                                                                                         \
+    _tile_loadd(4, xp + (RB) * kTileRows * kb * kTileK + k * kTileK, kb * kTileK * 2);          \
+    _tile_dpbf16ps(RB, 4, 5);                                                                  \
+  } while (0)
+
+// Output columns [16 o, 16 o + 16) for all rows of x (NRB blocks of 16 rows, padded, in xp):
+// each weight tile is loaded once and multiplied into every row block's accumulator.
+template <int NRB>
 inline void column_tile(const uint16_t* xp, const uint16_t* tiles, int64_t kb, float* c) {
   _tile_zero(0);
+  if constexpr (NRB > 1) _tile_zero(1);
+  if constexpr (NRB > 2) _tile_zero(2);
+  if constexpr (NRB > 3) _tile_zero(3);
   for (int64_t k = 0; k < kb; ++k) {
     const char* ahead = reinterpret_cast<const char*>(tiles + (k + kPrefetchTiles) * kTileElems);
     for (int64_t line = 0; line < kTileElems * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    _tile_loadd(1, xp + k * kTileK, kb * kTileK * 2);
-    _tile_loadd(2, tiles + k * kTileElems, 64);
-    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(5, tiles + k * kTileElems, 64);
+    DSPARK_ROW_BLOCK(0);
+    if constexpr (NRB > 1) DSPARK_ROW_BLOCK(1);
+    if constexpr (NRB > 2) DSPARK_ROW_BLOCK(2);
+    if constexpr (NRB > 3) DSPARK_ROW_BLOCK(3);
   }
-  _tile_stored(0, c, kTileRows * 4);
+  constexpr int64_t stride = kTileRows * 4, block = kTileRows * kTileRows;
+  _tile_stored(0, c, stride);
+  if constexpr (NRB > 1) _tile_stored(1, c + block, stride);
+  if constexpr (NRB > 2) _tile_stored(2, c + 2 * block, stride);
+  if constexpr (NRB > 3) _tile_stored(3, c + 3 * block, stride);
 }
+
+using ColumnFn = void (*)(const uint16_t*, const uint16_t*, int64_t, float*);
+constexpr ColumnFn kColumnFns[kMaxRowBlocks] = {column_tile<1>, column_tile<2>, column_tile<3>, column_tile<4>};
 
 }  // namespace
 
 void linear_rows(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tensor& packed, int64_t out,
                  const at::BFloat16* bias, at::BFloat16* y) {
   const int64_t ob = packed.size(0), kb = packed.size(1);
-  std::vector<uint16_t> xpad(rows * kb * kTileK, 0);          // whole tiles of columns, zero padded
+  const int64_t blocks = (rows + kTileRows - 1) / kTileRows;
+  std::vector<uint16_t> xpad(blocks * kTileRows * kb * kTileK, 0);   // whole tiles, zero padded
   const auto* xs = reinterpret_cast<const uint16_t*>(x);
   for (int64_t m = 0; m < rows; ++m) std::copy(xs + m * in, xs + (m + 1) * in, xpad.data() + m * kb * kTileK);
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  TileConfig cfg;
-  cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(rows);     // tile 0: C (fp32), tile 1: A (x)
-  cfg.colsb[0] = cfg.colsb[1] = 64;
-  cfg.rows[2] = kTileK / 2;                                     // tile 2: B (weight pairs)
-  cfg.colsb[2] = 64;
+  TileConfig cfg;                        // tiles 0-3: C (fp32) per row block, 4: A (x), 5: B (weight pairs)
+  const auto block_rows = static_cast<uint8_t>(blocks == 1 ? rows : kTileRows);
+  for (int t = 0; t < 5; ++t) cfg.rows[t] = block_rows, cfg.colsb[t] = 64;
+  cfg.rows[5] = kTileK / 2;
+  cfg.colsb[5] = 64;
+  const ColumnFn column = kColumnFns[blocks - 1];
   at::parallel_for(0, ob, 4, [&](int64_t o0, int64_t o1) {
     _tile_loadconfig(&cfg);
-    alignas(64) float c[kTileRows * kTileRows];
+    alignas(64) float c[kMaxRowBlocks * kTileRows * kTileRows];
     for (int64_t o = o0; o < o1; ++o) {
-      column_tile(xpad.data(), wp + o * kb * kTileElems, kb, c);
+      column(xpad.data(), wp + o * kb * kTileElems, kb, c);
       const int64_t cols = std::min(kTileRows, out - o * kTileRows);
       for (int64_t m = 0; m < rows; ++m)
         for (int64_t j = 0; j < cols; ++j)
@@ -105,7 +131,7 @@ void linear_rows(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tens
 }
 
 void check_linear(const at::Tensor& packed, int64_t rows, int64_t in, int64_t out, const char* what) {
-  TORCH_CHECK(rows >= 1 && rows <= kTileRows, what, ": x of 1 to 16 bf16 rows expected, got ", rows);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRowBlocks * kTileRows, what, ": x of 1 to 64 bf16 rows expected, got ", rows);
   TORCH_CHECK(packed.dim() == 5 && packed.size(1) == (in + kTileK - 1) / kTileK &&
               packed.size(0) == (out + kTileRows - 1) / kTileRows && packed.scalar_type() == at::kBFloat16 &&
               packed.is_contiguous(),
@@ -117,7 +143,7 @@ namespace {
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out,
                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
-              "amx_linear: x of 1 to 16 bf16 rows expected, got ", x.sizes(), " ", x.scalar_type());
+              "amx_linear: x of 1 to 64 bf16 rows expected, got ", x.sizes(), " ", x.scalar_type());
   check_linear(packed, x.size(0), x.size(1), out, "amx_linear");
   TORCH_CHECK(!bias.has_value() || !bias->defined() || (bias->numel() == out && bias->scalar_type() == at::kBFloat16),
               "amx_linear: a bf16 bias of ", out, " expected");

@@ -28,7 +28,7 @@ struct AttentionShape {
   int64_t heads, kv_heads, dim, block_size, blocks_per_req;
 };
 
-// y [rows, out] = x [rows, in] @ w^T (+ bias), rows <= 16, from amx_pack(w); check_linear first.
+// y [rows, out] = x [rows, in] @ w^T (+ bias), rows <= 64, from amx_pack(w); check_linear first.
 void linear_rows(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tensor& packed, int64_t out,
                  const at::BFloat16* bias, at::BFloat16* y);
 void check_linear(const at::Tensor& packed, int64_t rows, int64_t in, int64_t out, const char* what);

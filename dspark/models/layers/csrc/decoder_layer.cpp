@@ -1,4 +1,4 @@
-// decoder_layer_bf16: one whole Llama-family decoder layer for a step of at most 16 rows.
+// decoder_layer_bf16: one whole Llama-family decoder layer for a step of at most 64 rows.
 //
 // At such steps the projections stream their weights at the machine's read speed (AMX tiles),
 // and what is left of a step is the glue between them: two RMSNorms, the rotary embedding, the
