@@ -143,6 +143,10 @@ class FusedDraftStack(_Fused):
     """A packed drafter's layers for decoder_layer_bf16 in block mode; `fuse_draft_blocks`
     builds it. Its block pass reads the context K/V in place from the drafter's pages."""
 
+    def __init__(self, cfg, layers: list[FusedLayer]):
+        super().__init__(cfg, layers)
+        self.q_tiles = cfg.num_heads * cfg.head_dim // 16      # the joined qkv tiles' q part
+
     def takes(self, num_rows: int) -> bool:
         return 0 < num_rows <= cpu_kernels.MAX_ROWS
 
@@ -161,6 +165,20 @@ class FusedDraftStack(_Fused):
         x, _ = self.run_layers(x, cos.view(n, -1), sin.view(n, -1), kv_caches, no_slots,
                                block_tables.long(), keys, block_size, n, block_rows=s)
         return drafter.norm(x).view(r, s, -1)
+
+    def append_context(self, drafter: "Drafter", kv_caches: list[tuple[Tensor, Tensor]], aux_hidden: Tensor,
+                       positions: Tensor, write_rows: Tensor | None, write_slots: Tensor) -> None:
+        """`draft.append_context` for at most MAX_ROWS rows: each layer's context K/V in one
+        kernel call (the joined k/v projection, k norm, rotary, the slot writes)."""
+        h = drafter.project_context(aux_hidden)                                          # [T, d]
+        t = h.shape[0]
+        cos, sin = drafter.rotary.cos_sin(positions, h.dtype)
+        slots = write_slots if write_rows is None else \
+            torch.full((t,), -1, dtype=torch.long).index_copy_(0, write_rows, write_slots)
+        op = torch.ops.dspark_cpu.context_kv_bf16
+        for w, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            op(h, cos.view(t, -1), sin.view(t, -1), w.qkv[self.q_tiles:], w.k_norm, k_cache, v_cache, slots,
+               self.eps)
 
     def markov_greedy(self, drafter: "Drafter", h: Tensor, base: Tensor, anchors: Tensor
                       ) -> tuple[Tensor, Tensor] | None:

@@ -23,7 +23,12 @@ BlockPass = Callable[..., tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None
 
 def append_context(drafter: Drafter, kv: KVCaches, aux_hidden: torch.Tensor, positions: torch.Tensor,
                    write_rows: torch.Tensor | None, write_slots: torch.Tensor) -> None:
-    """aux_hidden [T, m*d_t] of the target rows just run -> each draft layer's context K/V."""
+    """aux_hidden [T, m*d_t] of the target rows just run -> each draft layer's context K/V
+    (one kernel call per layer where the drafter's fused layers take the rows)."""
+    fused = drafter.fused_blocks
+    if fused is not None and fused.takes(aux_hidden.shape[0]):
+        fused.append_context(drafter, kv, aux_hidden, positions, write_rows, write_slots)
+        return
     h_ctx = drafter.project_context(aux_hidden)                       # [T, d]
     for (k_cache, v_cache), (k, v) in zip(kv, drafter.context_kv(h_ctx, positions)):
         write_kv(k_cache, write_rows, write_slots, k)

@@ -153,3 +153,33 @@ def test_the_greedy_markov_kernel_gives_the_module_loop_bit_for_bit(tmp_path, re
     assert torch.equal(fused.tokens, ref.tokens)
     assert torch.equal(fused.confidence_logits, ref.confidence_logits)
     assert fused.probs is None and ref.probs is None
+
+
+@needs_tiles
+@pytest.mark.parametrize("skip_rows", [False, True])
+def test_fused_context_append_writes_what_the_modules_write(tmp_path, skip_rows):
+    from dspark.spec.draft import append_context
+    drafter, _ = _pair(tmp_path)
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(13)
+    t = 7
+    aux = torch.randn(t, len(cfg.target_layer_ids) * cfg.target_hidden_size, generator=g).to(BF16)
+    positions = torch.tensor([4, 5, 6, 7, 0, 1, 2])
+    slots = torch.tensor([9, 10, 11, 12, 30, 31, 32])
+    rows = torch.tensor([0, 1, 3, 5]) if skip_rows else None                 # rows 2, 4, 6 store nothing
+    written_slots = slots if rows is None else slots[rows]
+    fused_kv, module_kv = _context(drafter), _context(drafter)
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        append_context(drafter, fused_kv, aux, positions, rows, written_slots)
+    assert "dspark_cpu::context_kv_bf16" in {e.key for e in prof.key_averages()}
+    drafter.fused_blocks, blocks = None, drafter.fused_blocks
+    with torch.inference_mode():
+        append_context(drafter, module_kv, aux, positions, rows, written_slots)
+    drafter.fused_blocks = blocks
+    written = torch.zeros(fused_kv[0][0].shape[0], dtype=torch.bool)
+    written[written_slots] = True
+    for (fk, fv), (mk, mv), (k0, _) in zip(fused_kv, module_kv, _context(drafter)):
+        assert torch.equal(fk[~written], mk[~written]) and torch.equal(fv[~written], mv[~written])
+        assert not torch.equal(fk[written], k0[written])
+        assert torch.allclose(fk[written].float(), mk[written].float(), rtol=2 ** -7, atol=1e-2)
+        assert torch.allclose(fv[written].float(), mv[written].float(), rtol=2 ** -7, atol=1e-2)

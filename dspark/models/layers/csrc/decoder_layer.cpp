@@ -219,6 +219,39 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
   return out;
 }
 
+// A drafter layer's context K/V for rows the target just ran: h [T, d] (the projected, normed
+// target features) -> k, v through the layer's joined k/v projection, k normed and rotated, each
+// stored in its row's slot (slot -1: not stored).
+void context_kv_bf16(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_tiles,
+                     const c10::optional<at::Tensor>& k_norm, at::Tensor k_cache, at::Tensor v_cache,
+                     const at::Tensor& row_slots, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16, "context_kv_bf16: h [T, d] bf16 expected");
+  const int64_t rows = h.size(0), kv_heads = k_cache.size(1), dim = k_cache.size(2), kv_size = kv_heads * dim;
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
+              v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "context_kv_bf16: contiguous bf16 caches [S, KVH, D] expected");
+  check_linear(kv_tiles, rows, h.size(1), 2 * kv_size, "context_kv_bf16");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == rows * dim && cos.scalar_type() == at::kBFloat16 &&
+              sin.scalar_type() == at::kBFloat16 && row_slots.numel() == rows && row_slots.scalar_type() == at::kLong,
+              "context_kv_bf16: bf16 rotary tables [T, D] and int64 slots [T] expected");
+  const bf16* norm = optional_ptr(k_norm, dim, "k norm");
+  const at::Tensor hc = h.contiguous(), cc = cos.contiguous(), sc = sin.contiguous(), slots = row_slots.contiguous();
+  std::vector<bf16> kv(rows * 2 * kv_size);
+  linear_rows(hc.data_ptr<bf16>(), rows, h.size(1), kv_tiles, 2 * kv_size, nullptr, kv.data());
+  bf16* kc = k_cache.data_ptr<bf16>();
+  bf16* vc = v_cache.data_ptr<bf16>();
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t slot = slots.data_ptr<int64_t>()[m];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < k_cache.size(0), "context_kv_bf16: slot ", slot, " is outside the cache");
+    bf16* k = kv.data() + m * 2 * kv_size;
+    for (int64_t hd = 0; norm && hd < kv_heads; ++hd) rms_norm_row(k + hd * dim, dim, norm, static_cast<float>(eps), k + hd * dim);
+    rotate(k, kv_heads, dim, cc.data_ptr<bf16>() + m * dim, sc.data_ptr<bf16>() + m * dim);
+    std::copy(k, k + kv_size, kc + slot * kv_size);
+    std::copy(k + kv_size, k + 2 * kv_size, vc + slot * kv_size);
+  }
+}
+
 }  // namespace
 }  // namespace dspark_cpu
 
@@ -229,4 +262,12 @@ TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
         "int block_size, int live, int heads, int intermediate, float eps, float scale, int block_rows=0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dspark_cpu, CPU, m) { m.impl("decoder_layer_bf16", &dspark_cpu::decoder_layer_bf16); }
+TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
+  m.def("context_kv_bf16(Tensor h, Tensor cos, Tensor sin, Tensor kv, Tensor? k_norm, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor row_slots, float eps) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dspark_cpu, CPU, m) {
+  m.impl("decoder_layer_bf16", &dspark_cpu::decoder_layer_bf16);
+  m.impl("context_kv_bf16", &dspark_cpu::context_kv_bf16);
+}
