@@ -102,7 +102,7 @@ class _Fused:
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
 
     def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
-                   slots: Tensor, meta_tables: Tensor, keys: Tensor, block_size: int, live: int,
+                   slots: Tensor, block_tables: Tensor, keys: Tensor, block_size: int, live: int,
                    block_rows: int = 0, aux_layer_ids: tuple[int, ...] = ()
                    ) -> tuple[Tensor, dict[int, Tensor]]:
         """x [T, hidden] through every layer -> (x, the outputs of the aux layers)."""
@@ -110,7 +110,7 @@ class _Fused:
         op = torch.ops.dspark_cpu.decoder_layer_bf16
         for i, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = op(x, cos, sin, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o, w.post_norm,
-                   w.gate_up, w.down, k_cache, v_cache, slots, meta_tables, keys, block_size, live,
+                   w.gate_up, w.down, k_cache, v_cache, slots, block_tables, keys, block_size, live,
                    self.heads, self.intermediate, self.eps, self.scale, block_rows)
             if i in aux_layer_ids:
                 aux[i] = x
@@ -173,8 +173,7 @@ class FusedDraftStack(_Fused):
         h = drafter.project_context(aux_hidden)                                          # [T, d]
         t = h.shape[0]
         cos, sin = drafter.rotary.cos_sin(positions, h.dtype)
-        slots = write_slots if write_rows is None else \
-            torch.full((t,), -1, dtype=torch.long).index_copy_(0, write_rows, write_slots)
+        slots = slots_per_row(write_rows, write_slots, t)
         op = torch.ops.dspark_cpu.context_kv_bf16
         for w, (k_cache, v_cache) in zip(self.layers, kv_caches):
             op(h, cos.view(t, -1), sin.view(t, -1), w.qkv[self.q_tiles:], w.k_norm, k_cache, v_cache, slots,
@@ -198,14 +197,19 @@ class FusedDraftStack(_Fused):
             drafter.draft_to_target_index if cfg.uses_draft_vocab else None)
 
 
+def slots_per_row(write_rows: Tensor | None, write_slots: Tensor, rows: int) -> Tensor:
+    """[rows] the cache slot each row's K/V goes to, -1 for rows that store none, from the
+    metadata's (write_rows, write_slots) form (write_rows None: every row, in order)."""
+    if write_rows is None:
+        if write_slots.shape[0] != rows:
+            raise ValueError(f"{write_slots.shape[0]} write slots for {rows} rows")
+        return write_slots
+    return torch.full((rows,), -1, dtype=torch.long).index_copy_(0, write_rows, write_slots)
+
+
 def row_slots(meta: AttentionMetadata, live: int) -> Tensor:
-    """[live] the cache slot each live row's K/V goes to, -1 for rows that store none."""
-    if meta.write_rows is None:
-        if meta.write_slots.shape[0] != live:
-            raise ValueError(f"{meta.write_slots.shape[0]} write slots for {live} live rows")
-        return meta.write_slots
-    slots = torch.full((live,), -1, dtype=torch.long)
-    return slots.index_copy_(0, meta.write_rows, meta.write_slots)
+    """[live] the cache slot of each live row of a step."""
+    return slots_per_row(meta.write_rows, meta.write_slots, live)
 
 
 def fuse_draft_blocks(drafter: "Drafter") -> bool:
@@ -236,4 +240,5 @@ def fuse_small_steps(model: "CausalLM") -> bool:
     return True
 
 
-__all__ = ["FusedDraftStack", "FusedLayer", "FusedStack", "fuse_draft_blocks", "fuse_small_steps", "row_slots"]
+__all__ = ["FusedDraftStack", "FusedLayer", "FusedStack", "fuse_draft_blocks", "fuse_small_steps", "row_slots",
+           "slots_per_row"]

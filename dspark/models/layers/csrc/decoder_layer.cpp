@@ -260,9 +260,6 @@ TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
         "Tensor? q_norm, Tensor? k_norm, Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor row_slots, Tensor block_tables, Tensor token_keys, "
         "int block_size, int live, int heads, int intermediate, float eps, float scale, int block_rows=0) -> Tensor");
-}
-
-TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
   m.def("context_kv_bf16(Tensor h, Tensor cos, Tensor sin, Tensor kv, Tensor? k_norm, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor row_slots, float eps) -> ()");
 }
