@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 
 from dspark import LLM, SamplingParams
+from dspark.models.layers import cpu_kernels
 from tiny import greedy_workload, run_staggered, save_random_drafter, save_tiny
 
 VOCAB = 32
@@ -150,3 +151,21 @@ def test_greedy_rows_stay_exact_beside_sampled_rows(tmp_path_factory, target_dir
     outs = make_llm(target_dir, d).generate(prompts, mixed)
     assert [o.token_ids for o in outs][::2] == reference[::2]
     assert all(len(o.token_ids) == sp.max_tokens for o, sp in zip(outs, mixed))
+
+
+@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs AMX and a C++ compiler")
+def test_greedy_lossless_in_bf16_through_the_fused_kernels(tmp_path_factory, target_dir):
+    """Invariant 1 where dspark's CPU kernels run the steps: every row's result depends on that row
+    alone, so verify rows give the bits a plain decode row gives, and bf16 stays exact too."""
+    d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
+    prompts, params = workload(16)
+    outs = []
+    for drafter_dir in (None, d):
+        llm = LLM(target_dir, dtype="bfloat16", drafter=drafter_dir, block_size=4, max_model_len=256,
+                  graph="eager", max_num_batched_tokens=64)
+        assert llm.engine.worker.model.fused_stack is not None
+        assert drafter_dir is None or llm.engine.drafter.fused_blocks is not None
+        outs.append([llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)])
+        stats = llm.engine.spec_stats
+    assert outs[1] == outs[0]
+    assert stats.draft_rounds > 0 and stats.accepted_tokens > 0
