@@ -43,21 +43,31 @@ class FusedLayer:
     down: Tensor                  # tiles of [hidden, I]
 
 
-def _fused_layer(layer: "DecoderLayer") -> FusedLayer | None:
-    attn, mlp = layer.self_attn, layer.mlp
-    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    norms += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
-    if any(p.tiles is None for p in projections) or any(w.dtype != torch.bfloat16 for w in norms):
-        return None
-    bias = attn.qkv_proj.bias
+def _norms_are_bf16(layer) -> bool:
+    attn = layer.self_attn
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+    return all(n.weight.dtype == torch.bfloat16 for n in norms if n is not None)
+
+
+def _layer_weights(layer, qkv: Tensor, qkv_bias: Tensor | None, gate_up: Tensor) -> FusedLayer:
+    """A target or draft layer's weights around its (fused or joined) qkv and gate/up tiles."""
+    attn = layer.self_attn
     return FusedLayer(
-        input_norm=layer.input_layernorm.weight.detach(), qkv=attn.qkv_proj.tiles,
-        qkv_bias=None if bias is None else bias.detach(),
+        input_norm=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=qkv_bias,
         q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
         k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
         o=attn.o_proj.tiles, post_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=mlp.gate_up_proj.tiles, down=mlp.down_proj.tiles)
+        gate_up=gate_up, down=layer.mlp.down_proj.tiles)
+
+
+def _fused_layer(layer: "DecoderLayer") -> FusedLayer | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if any(p.tiles is None for p in projections) or not _norms_are_bf16(layer):
+        return None
+    bias = attn.qkv_proj.bias
+    return _layer_weights(layer, attn.qkv_proj.tiles, None if bias is None else bias.detach(),
+                          mlp.gate_up_proj.tiles)
 
 
 def _joined_tiles(projections) -> Tensor | None:
@@ -76,21 +86,14 @@ def _joined_tiles(projections) -> Tensor | None:
 
 def _fused_draft_layer(layer: "DraftLayer") -> FusedLayer | None:
     attn, mlp = layer.self_attn, layer.mlp
-    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    norms += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
     if attn.o_proj.tiles is None or mlp.down_proj.tiles is None or attn.o_proj.bias is not None \
-            or any(w.dtype != torch.bfloat16 for w in norms):
+            or not _norms_are_bf16(layer):
         return None
     qkv = _joined_tiles((attn.q_proj, attn.k_proj, attn.v_proj))
     gate_up = _joined_tiles((mlp.gate_proj, mlp.up_proj))
     if qkv is None or gate_up is None:
         return None
-    return FusedLayer(
-        input_norm=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=None,
-        q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
-        k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
-        o=attn.o_proj.tiles, post_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=gate_up, down=mlp.down_proj.tiles)
+    return _layer_weights(layer, qkv, None, gate_up)
 
 
 class _Fused:

@@ -136,19 +136,21 @@ void attention_inputs(const bf16* x, const LayerShape& s, const bf16* norm, floa
   });
 }
 
+// One row's k and v (kv_size values each, k then v in `kv`) into cache slot `slot`.
+void store_kv(const bf16* kv, int64_t kv_size, int64_t slot, at::Tensor& k_cache, at::Tensor& v_cache,
+              const char* what) {
+  TORCH_CHECK(slot < k_cache.size(0), what, ": slot ", slot, " is outside the cache");
+  std::copy(kv, kv + kv_size, k_cache.data_ptr<bf16>() + slot * kv_size);
+  std::copy(kv + kv_size, kv + 2 * kv_size, v_cache.data_ptr<bf16>() + slot * kv_size);
+}
+
 // The live rows' K/V go to their cache slots (slot -1: not stored).
 void write_kv(const std::vector<bf16>& qkv, const LayerShape& s, const int64_t* slots, int64_t live,
               at::Tensor& k_cache, at::Tensor& v_cache) {
-  bf16* kc = k_cache.data_ptr<bf16>();
-  bf16* vc = v_cache.data_ptr<bf16>();
-  for (int64_t m = 0; m < live; ++m) {
-    const int64_t slot = slots[m];
-    if (slot < 0) continue;
-    TORCH_CHECK(slot < k_cache.size(0), "decoder_layer_bf16: slot ", slot, " is outside the cache");
-    const bf16* k = qkv.data() + m * s.qkv_size() + s.q_size();
-    std::copy(k, k + s.kv_size(), kc + slot * s.kv_size());
-    std::copy(k + s.kv_size(), k + 2 * s.kv_size(), vc + slot * s.kv_size());
-  }
+  for (int64_t m = 0; m < live; ++m)
+    if (slots[m] >= 0)
+      store_kv(qkv.data() + m * s.qkv_size() + s.q_size(), s.kv_size(), slots[m], k_cache, v_cache,
+               "decoder_layer_bf16");
 }
 
 // x [rows, hidden] += down(silu(gate) * up) of the post-attention norm of x.
@@ -238,17 +240,13 @@ void context_kv_bf16(const at::Tensor& h, const at::Tensor& cos, const at::Tenso
   const at::Tensor hc = h.contiguous(), cc = cos.contiguous(), sc = sin.contiguous(), slots = row_slots.contiguous();
   std::vector<bf16> kv(rows * 2 * kv_size);
   linear_rows(hc.data_ptr<bf16>(), rows, h.size(1), kv_tiles, 2 * kv_size, nullptr, kv.data());
-  bf16* kc = k_cache.data_ptr<bf16>();
-  bf16* vc = v_cache.data_ptr<bf16>();
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t slot = slots.data_ptr<int64_t>()[m];
     if (slot < 0) continue;
-    TORCH_CHECK(slot < k_cache.size(0), "context_kv_bf16: slot ", slot, " is outside the cache");
     bf16* k = kv.data() + m * 2 * kv_size;
     for (int64_t hd = 0; norm && hd < kv_heads; ++hd) rms_norm_row(k + hd * dim, dim, norm, static_cast<float>(eps), k + hd * dim);
     rotate(k, kv_heads, dim, cc.data_ptr<bf16>() + m * dim, sc.data_ptr<bf16>() + m * dim);
-    std::copy(k, k + kv_size, kc + slot * kv_size);
-    std::copy(k + kv_size, k + 2 * kv_size, vc + slot * kv_size);
+    store_kv(k, kv_size, slot, k_cache, v_cache, "context_kv_bf16");
   }
 }
 
