@@ -1,4 +1,4 @@
-"""dspark's CPU kernels: bf16 projections of up to 16 rows (AMX) and decode attention."""
+"""dspark's CPU kernels: bf16 projections of up to 64 rows (AMX) and short-query attention."""
 
 import pytest
 import torch
@@ -150,10 +150,14 @@ def _attention_reference(q, k_cache, v_cache, tables, token_keys, block_size, sc
     return torch.stack(out)
 
 
+PATHS = [pytest.param(False, id="vector"), pytest.param(True, id="tiles", marks=needs_tiles)]
+
+
 @needs_kernels
+@pytest.mark.parametrize("tiles", PATHS)
 @pytest.mark.parametrize("r,heads,kv_heads,d,block_size,kv_len", [
     (1, 9, 3, 64, 16, 100), (4, 8, 2, 80, 4, 37), (3, 4, 4, 16, 8, 5), (2, 6, 1, 128, 16, 300)])
-def test_paged_attention_matches_an_fp32_reference(r, heads, kv_heads, d, block_size, kv_len):
+def test_paged_attention_matches_an_fp32_reference(r, heads, kv_heads, d, block_size, kv_len, tiles):
     k_cache, v_cache, tables, g = _paged(r, kv_heads, d, block_size, kv_len, seed=r * d + kv_len)
     # per request a decode row or a verify block at the end of a shorter context, one windowed
     rows = []
@@ -165,10 +169,28 @@ def test_paged_attention_matches_an_fp32_reference(r, heads, kv_heads, d, block_
             rows.append([i, max(0, stop - 7) if i == r - 1 and r > 1 else 0, stop])
     token_keys = torch.tensor(rows)
     q = torch.randn(len(rows), heads, d, generator=g).to(BF16)
-    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, token_keys, block_size, d ** -0.5)
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, token_keys, block_size, d ** -0.5, tiles)
     ref = _attention_reference(q, k_cache, v_cache, tables, token_keys, block_size, d ** -0.5)
     assert out.shape == q.shape and out.dtype == BF16
     assert torch.allclose(out.float(), ref, rtol=2 ** -7, atol=2e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tiles", PATHS)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_a_token_attends_with_the_same_bits_alone_and_in_a_verify_block(block_size, tiles):
+    """Greedy DSpark equals plain decoding only if a verify row computes what the decode row
+    would: each token of an 8-token block (and of a padding token's neighbourhood) alone."""
+    k_cache, v_cache, tables, g = _paged(2, 3, 64, block_size, 45, seed=block_size)
+    rows = [[1, 0, 30]] + [[0, 0, 38 + j] for j in range(8)] + [[1, 0, 0]]      # decode, verify, padding
+    token_keys = torch.tensor(rows)
+    q = torch.randn(len(rows), 9, 64, generator=g).to(BF16)
+    together = cpu_kernels.paged_attention(q, k_cache, v_cache, tables, token_keys, block_size, 0.125, tiles)
+    for t, row in enumerate(rows):
+        alone = cpu_kernels.paged_attention(q[t:t + 1], k_cache, v_cache, tables, torch.tensor([row]),
+                                            block_size, 0.125, tiles)
+        assert torch.equal(alone[0], together[t]), f"token {t} ({row})"
+    assert not together[-1].any()                              # no keys: a zero row
 
 
 @needs_kernels

@@ -33,7 +33,8 @@ from dspark.config import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decoder_layer.cpp", CSRC / "markov_head.cpp")   # side by side
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "paged_attention.cpp", CSRC / "tile_attention.cpp",
+           CSRC / "decoder_layer.cpp", CSRC / "markov_head.cpp")   # side by side
 HEADERS = (CSRC / "cpu_kernels.h",)
 MAX_ROWS = 64                    # rows of x `tile_linear` takes; more go to oneDNN
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -139,7 +140,7 @@ def _linear_shape(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None) -> Te
 
 
 def _attention_shape(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                     token_keys: Tensor, block_size: int, scale: float) -> Tensor:
+                     token_keys: Tensor, block_size: int, scale: float, tiles: bool = False) -> Tensor:
     return torch.empty_like(q)
 
 
@@ -167,13 +168,15 @@ def takes_attention(q: Tensor, k_cache: Tensor, max_q: int) -> bool:
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                    token_keys: Tensor, block_size: int, scale: float) -> Tensor:
+                    token_keys: Tensor, block_size: int, scale: float, tiles: bool | None = None) -> Tensor:
     """Each token over its request's keys, read in place: q [T, H, D], caches [S, KVH, D],
     block_tables [R, NB] (key l of request r lives in slot table[r, l // block_size] *
     block_size + l % block_size), token_keys [T, 3] = (request, first key, end key) -> [T, H, D]
-    bf16. Scores and softmax in fp32 (the torch path rounds scores to bf16 first)."""
+    bf16. Scores and softmax in fp32 (the torch path rounds scores to bf16 first). tiles: score
+    through AMX (default: where the CPU has it) or with AVX512-BF16 dot products."""
+    tiles = tiles_available() if tiles is None else tiles
     return torch.ops.dspark_cpu.paged_attention_bf16(q, k_cache, v_cache, block_tables, token_keys,
-                                                    block_size, scale)
+                                                    block_size, scale, tiles)
 
 
 __all__ = ["MAX_GROUP", "MAX_QUERY", "MAX_ROWS", "available", "cache_dir", "cpu_flags", "pack_tiles",

@@ -6,7 +6,9 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace dspark_cpu {
 
@@ -23,6 +25,23 @@ inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
+
+// Lanes [0, left) of 16; bf16 <-> fp32 for 16 lanes. The conversion to bf16 rounds to nearest even,
+// as at::BFloat16 does (only denormal inputs differ: VCVTNEPS2BF16 takes them as zero).
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
+}
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 round16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }   // to bf16 and back
+
+struct TileConfig {                      // the 64-byte operand of LDTILECFG, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 
 struct AttentionShape {
   int64_t heads, kv_heads, dim, block_size, blocks_per_req;
@@ -50,12 +69,36 @@ struct BlockKeys {
   int64_t rows = 0, stride = 0;
 };
 
+// Calls fn(i, row) for keys [begin, end) of one K/V head: i counts from 0, row is the key's
+// [D] vector in the cache. Walks block by block, so no division per key.
+// Then the `extra.count` keys of its own block, if any, numbered after them.
+template <typename Fn>
+inline void for_each_key(const uint16_t* cache, const uint16_t* extra_rows, const int64_t* table, int64_t begin,
+                         int64_t end, const AttentionShape& s, const ExtraKeys& extra, int64_t kvh, Fn fn) {
+  const int64_t stride = s.kv_heads * s.dim;
+  for (int64_t l = begin; l < end;) {
+    const int64_t off = l % s.block_size, n = std::min(s.block_size - off, end - l);
+    const uint16_t* row = cache + (table[l / s.block_size] * s.block_size + off) * stride + kvh * s.dim;
+    for (int64_t j = 0; j < n; ++j) fn(l - begin + j, row + j * stride);
+    l += n;
+  }
+  for (int64_t j = 0; j < extra.count; ++j) fn(end - begin + j, extra_rows + j * extra.stride + kvh * s.dim);
+}
+
+// The tile path of attend_tokens: tokens [first, first + count) of one request with the same
+// first key (and draft block), at most 16 query rows (count x G), over K/V head kvh.
+void attend_rows_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
+                       const int64_t* keys, int64_t first, int64_t count, const AttentionShape& s,
+                       const ExtraKeys& extra, int64_t kvh, float scale, std::vector<float>& scores,
+                       at::BFloat16* out);
+
 // out [T, H, D] = each token's query heads over its request's keys, read in place through the
 // block tables [R, NB]; keys [T, 3] = (request, first key, end key), checked by check_token_keys;
-// then over its block's keys (a drafter's block pass).
+// then over its block's keys (a drafter's block pass). tiles: scores through AMX (attend_rows_tiles),
+// which needs amx_init; otherwise AVX512-BF16 dot products.
 void attend_tokens(const at::BFloat16* q, int64_t tokens, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const int64_t* tables, const int64_t* keys, const AttentionShape& s, float scale,
-                   at::BFloat16* out, const BlockKeys& block = {});
+                   at::BFloat16* out, const BlockKeys& block = {}, bool tiles = false);
 void check_token_keys(const int64_t* keys, int64_t tokens, int64_t requests, int64_t max_keys);
 void check_attention(const at::Tensor& k_cache, const at::Tensor& v_cache, const AttentionShape& s);
 

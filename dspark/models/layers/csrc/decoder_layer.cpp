@@ -26,14 +26,6 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-inline bf16 round_bf16(float v) { return bf16(v); }
-
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
-inline __m512 load16(const bf16* p, __mmask16 m) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
-}
-inline __m512 round16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }   // to bf16 and back
-inline void store16(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
 
 // Runs fn(m) for rows [0, rows), on the thread pool when there are enough rows to pay for it.
 template <typename Fn>
@@ -72,14 +64,15 @@ void rotate(bf16* x, int64_t heads, int64_t dim, const bf16* cos, const bf16* si
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < heads; ++h) {
     bf16* v = x + h * dim;
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = v[i], b = v[i + half];
-      const float lo = static_cast<float>(round_bf16(a * static_cast<float>(cos[i]))) +
-                       static_cast<float>(round_bf16(-b * static_cast<float>(sin[i])));
-      const float hi = static_cast<float>(round_bf16(b * static_cast<float>(cos[i + half]))) +
-                       static_cast<float>(round_bf16(a * static_cast<float>(sin[i + half])));
-      v[i] = round_bf16(lo);
-      v[i + half] = round_bf16(hi);
+    for (int64_t i = 0; i < half; i += 16) {
+      const __mmask16 m = lanes(half - i);
+      const __m512 a = load16(v + i, m), b = load16(v + i + half, m);
+      const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(a, load16(cos + i, m))),
+                                      round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), load16(sin + i, m))));
+      const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(b, load16(cos + i + half, m))),
+                                      round16(_mm512_mul_ps(a, load16(sin + i + half, m))));
+      store16(v + i, lo, m);
+      store16(v + i + half, hi, m);
     }
   }
 }
@@ -211,7 +204,7 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
     std::copy(qkv.data() + m * s.qkv_size(), qkv.data() + m * s.qkv_size() + s.q_size(), q.data() + m * s.q_size());
   const BlockKeys block{qkv.data() + s.q_size(), qkv.data() + s.q_size() + s.kv_size(), block_rows, s.qkv_size()};
   attend_tokens(q.data(), live, k_cache, v_cache, tables.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), as,
-                static_cast<float>(scale), attn.data(), block);   // padding rows (>= live) stay zero
+                static_cast<float>(scale), attn.data(), block, /*tiles=*/true);   // padding rows (>= live) stay zero
 
   at::Tensor out = xc.clone();
   bf16* y = out.data_ptr<bf16>();
