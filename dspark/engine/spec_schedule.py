@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-import torch
+import numpy as np
 
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.engine.sequence import Sequence
@@ -29,7 +29,6 @@ from dspark.spec.cost_correction import CostCorrection
 from dspark.spec.online_correction import OnlineSurvivalCorrection
 from dspark.spec.planner import CostTable, StepPlan, plan_step
 from dspark.spec.sts import STSCalibration
-from dspark.spec.sts import survival as cumulative_survival
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +43,8 @@ class ConfidenceScheduler:
         self.half_life = half_life
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
         self.probe_interval = probe_interval
-        self.temperatures = torch.tensor(sts.temperatures if sts else [1.0] * gamma)
-        self.offsets = torch.tensor(sts.offset_list() if sts else [0.0] * gamma)
+        self.temperatures = np.asarray(sts.temperatures if sts else [1.0] * gamma, dtype=np.float64)
+        self.offsets = np.asarray(sts.offset_list() if sts else [0.0] * gamma, dtype=np.float64)
         self.correction = OnlineSurvivalCorrection(gamma)
         self.cost_correction = CostCorrection() if cost_correction else None
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
@@ -53,10 +52,14 @@ class ConfidenceScheduler:
     def record(self, seq: Sequence, confidence_logits: list[float], verified: int, accepted: int) -> None:
         seq.confidence_history.append(confidence_logits)
         del seq.confidence_history[:-self.lag]
-        survival = cumulative_survival(torch.tensor(confidence_logits)[None], self.temperatures, self.offsets)[0]
-        self.correction.observe(survival, verified, accepted)
+        self.correction.observe(self._survival(np.asarray(confidence_logits)), verified, accepted)
 
-    def _stale_survival(self, spec: list[ScheduledRequest]) -> torch.Tensor:
+    def _survival(self, logits: np.ndarray) -> np.ndarray:
+        """z [.., γ] -> cumulative products of the STS confidences σ(z_k / T_k + b_k) (the host's
+        twin of sts.survival, which the worker runs on the device)."""
+        return np.cumprod(1.0 / (1.0 + np.exp(-(logits / self.temperatures + self.offsets))), axis=-1)
+
+    def _stale_survival(self, spec: list[ScheduledRequest]) -> np.ndarray:
         """[R, γ] survival from `lag` rounds back, corrected and faded toward the population's
         realised survival by its age (all of it without history); 0 past each request's cap. One
         batched computation for the whole step."""
@@ -65,11 +68,11 @@ class ConfidenceScheduler:
             history = s.seq.confidence_history
             rows.append(history[-min(self.lag, len(history))] if history else [0.0] * self.gamma)
             weight.append(0.5 ** (s.seq.steps_without_draft / self.half_life) if history else 0.0)
-        own = self.correction.apply(cumulative_survival(torch.tensor(rows), self.temperatures, self.offsets))
-        w = torch.tensor(weight)[:, None]
+        own = self.correction.apply(self._survival(np.asarray(rows, dtype=np.float64)))
+        w = np.asarray(weight)[:, None]
         survival = w * own + (1.0 - w) * self.correction.realised_survival[None, :]
-        caps = torch.tensor([s.verify_len for s in spec])
-        return survival.masked_fill(torch.arange(self.gamma)[None, :] >= caps[:, None], 0.0)
+        caps = np.asarray([s.verify_len for s in spec])
+        return np.where(np.arange(self.gamma)[None, :] >= caps[:, None], 0.0, survival)
 
     def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan | None:
         """Which speculative requests draft and how many drafts are verified; None: verify all."""
@@ -87,7 +90,7 @@ class ConfidenceScheduler:
         num_sampling = sum(1 for s in scheduled if s.sample)
         probe = [s.seq.steps_without_draft >= self._interval(s.seq) for s in spec]
         scale = None if self.cost_correction is None else \
-            self.cost_correction.scale(other, survival.numel())
+            self.cost_correction.scale(other, survival.size)
         plan = plan_step(survival, self.table, num_sampling, other, self.min_gain, probe, scale)
         chosen = plan_step(survival, self.table, num_sampling, other, self.min_gain,
                            cost_scale=scale).drafted if any(probe) else plan.drafted
@@ -107,7 +110,7 @@ class ConfidenceScheduler:
             return
         predicted = float(self.table.verify_costs(tokens, tokens + 1)[0])
         if draft_requests:
-            predicted += float(self.table.draft_costs(torch.tensor([draft_requests]))[0])
+            predicted += float(self.table.draft_costs([draft_requests])[0])
         self.cost_correction.observe(tokens, draft_requests > 0, predicted, measured_ms)
 
     def _interval(self, seq: Sequence) -> int:

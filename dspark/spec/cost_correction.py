@@ -22,7 +22,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def size_class(tokens: int) -> int:
 class CostScale:
     """By how much a step will cost more than the table says, for one planning decision."""
     plain: float                   # the step with no drafter pass (other tokens only)
-    drafted: torch.Tensor          # [B] a drafted step verifying b = 0..B-1 drafts
+    drafted: np.ndarray            # [B] a drafted step verifying b = 0..B-1 drafts
 
 
 class CostCorrection:
@@ -50,10 +50,10 @@ class CostCorrection:
             raise ValueError(f"decay must be in (0, 1] and prior_steps > 0, got {decay}, {prior_steps}")
         self.decay = decay
         shape = (2, MAX_CLASSES)                                         # [kind, size class]
-        self.ratio_sum = torch.full(shape, prior_steps, dtype=torch.float64)   # Σ measured/predicted
-        self.weight = torch.full(shape, prior_steps, dtype=torch.float64)      # Σ steps
-        self.steps = torch.zeros(shape, dtype=torch.long)                      # steps seen
-        self._ratios: torch.Tensor | None = None                               # cache of `ratios`
+        self.ratio_sum = np.full(shape, prior_steps)                           # Σ measured/predicted
+        self.weight = np.full(shape, prior_steps)                              # Σ steps
+        self.steps = np.zeros(shape, dtype=np.int64)                           # steps seen
+        self._ratios: np.ndarray | None = None                                 # cache of `ratios`
         self.stale_warned = False
 
     def observe(self, tokens: int, drafted: bool, predicted_ms: float, measured_ms: float) -> None:
@@ -80,7 +80,7 @@ class CostCorrection:
                        "drafted" if kind == DRAFTED else "plain", 2 ** (c - 1) + 1 if c else 1, 2 ** c, ratio)
 
     @property
-    def ratios(self) -> torch.Tensor:
+    def ratios(self) -> np.ndarray:
         """[2, MAX_CLASSES] measured / predicted per kind and size class. A class not seen takes
         the ratio of the nearest class of its kind that was (the smaller on a tie): drift is
         smooth across sizes. A kind with no step seen keeps the table's word, 1."""
@@ -88,20 +88,20 @@ class CostCorrection:
             self._ratios = self._nearest_seen()
         return self._ratios
 
-    def _nearest_seen(self) -> torch.Tensor:
-        ratios = (self.ratio_sum / self.weight).float()
-        classes = torch.arange(MAX_CLASSES)
+    def _nearest_seen(self) -> np.ndarray:
+        ratios = self.ratio_sum / self.weight
+        classes = np.arange(MAX_CLASSES)
         for kind in (PLAIN, DRAFTED):
             seen = classes[self.steps[kind] > 0]
             if len(seen) and len(seen) < MAX_CLASSES:
-                nearest = seen[(classes[:, None] - seen[None, :]).abs().argmin(dim=1)]
+                nearest = seen[np.abs(classes[:, None] - seen[None, :]).argmin(axis=1)]
                 ratios[kind] = ratios[kind, nearest]
         return ratios
 
     def scale(self, other_tokens: int, max_budget: int) -> CostScale:
         """The factors for a step of `other_tokens` plus a verify budget of 0..max_budget."""
-        tokens = torch.arange(other_tokens, other_tokens + max_budget + 1, dtype=torch.float64)
-        classes = tokens.clamp(min=1.0).log2().ceil().long().clamp(max=MAX_CLASSES - 1)  # size_class
+        tokens = np.arange(other_tokens, other_tokens + max_budget + 1, dtype=np.float64)
+        classes = np.minimum(np.ceil(np.log2(np.maximum(tokens, 1.0))), MAX_CLASSES - 1).astype(np.int64)  # size_class
         ratios = self.ratios
         return CostScale(plain=float(ratios[PLAIN, size_class(other_tokens)]),
                          drafted=ratios[DRAFTED, classes])

@@ -16,7 +16,7 @@ for a hundred rounds, and a step that prefills many requests drafts for all of t
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 
 class OnlineSurvivalCorrection:
@@ -24,33 +24,34 @@ class OnlineSurvivalCorrection:
         if not 0.0 < decay <= 1.0 or prior_rounds <= 0:
             raise ValueError(f"decay must be in (0, 1] and prior_rounds > 0, got {decay}, {prior_rounds}")
         self.decay = decay
-        self.predicted = torch.full((gamma,), prior_rounds)      # Σ predicted survival per position
-        self.realised = torch.full((gamma,), prior_rounds)       # Σ accepted (0/1) per position
-        self.hits = torch.ones(gamma)                            # population: Σ accepted (0/1)
-        self.verified = torch.ones(gamma)                        # population: Σ rounds verified
+        self.predicted = np.full(gamma, prior_rounds)            # Σ predicted survival per position
+        self.realised = np.full(gamma, prior_rounds)             # Σ accepted (0/1) per position
+        self.hits = np.ones(gamma)                               # population: Σ accepted (0/1)
+        self.verified = np.ones(gamma)                           # population: Σ rounds verified
 
-    def observe(self, survival: torch.Tensor, verified: int, accepted: int) -> None:
+    def observe(self, survival, verified: int, accepted: int) -> None:
         """survival [γ] predicted for a round that verified `verified` drafts and accepted `accepted`."""
         if verified == 0:
             return
+        survival = np.asarray(survival, dtype=np.float64)
         self.predicted[:verified] = self.decay * self.predicted[:verified] + survival[:verified]
-        hits = (torch.arange(verified) < accepted).float()
+        hits = (np.arange(verified) < accepted).astype(np.float64)
         self.realised[:verified] = self.decay * self.realised[:verified] + hits
         self.hits[:verified] = self.decay * self.hits[:verified] + hits
         self.verified[:verified] = self.decay * self.verified[:verified] + 1.0
 
     @property
-    def factors(self) -> torch.Tensor:
+    def factors(self) -> np.ndarray:
         """[γ] realised / predicted."""
-        return self.realised / self.predicted.clamp(min=1e-6)
+        return self.realised / np.maximum(self.predicted, 1e-6)
 
     @property
-    def realised_survival(self) -> torch.Tensor:
+    def realised_survival(self) -> np.ndarray:
         """[γ] the share of verified drafts accepted at each position, non-increasing, in [0, 1]."""
-        rate = (self.hits / self.verified.clamp(min=1e-6)).clamp(0.0, 1.0)
-        return torch.cummin(rate, dim=-1).values
+        rate = np.clip(self.hits / np.maximum(self.verified, 1e-6), 0.0, 1.0)
+        return np.minimum.accumulate(rate, axis=-1)
 
-    def apply(self, survival: torch.Tensor) -> torch.Tensor:
+    def apply(self, survival) -> np.ndarray:
         """[..., γ] -> corrected survival, non-increasing along the block and within [0, 1]."""
-        corrected = (survival * self.factors).clamp(0.0, 1.0)
-        return torch.cummin(corrected, dim=-1).values
+        corrected = np.clip(np.asarray(survival, dtype=np.float64) * self.factors, 0.0, 1.0)
+        return np.minimum.accumulate(corrected, axis=-1)

@@ -182,7 +182,7 @@ def test_set_prefix_sums_equal_sorting_each_sets_slots(seed):
     s[2] = s[5]                                             # ties across requests
     rank = torch.randperm(r, generator=g)
     sizes = torch.arange(2, r + 1)
-    sums = _set_prefix_sums(s, rank, sizes)
+    sums = torch.from_numpy(_set_prefix_sums(s.numpy(), rank.numpy(), sizes.numpy())).float()
     assert sums.shape == (len(sizes), r * gamma + 1)
     for c, size in enumerate(sizes.tolist()):
         own = s[rank < size].flatten().sort(descending=True).values
