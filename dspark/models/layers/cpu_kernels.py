@@ -5,11 +5,11 @@ the weights stream. oneDNN reads them at about half the machine's streaming band
 (its blocked layout included); `tile_linear` reads them at close to that bandwidth for any count
 of rows up to 64, from a copy packed tile by tile (`pack_tiles`). Attention through torch copies
 every request's pages into a padded tensor and runs small batched matmuls whose fixed costs dwarf
-the arithmetic; `paged_attention` reads the pages in place, for decode and verify rows
-(AVX512-BF16).
+the arithmetic; `paged_attention` reads the pages in place, for decode, verify and draft-block
+rows (scores through AMX tiles where the CPU has them, else AVX512-BF16 dot products).
 
-`csrc/cpu_kernels.cpp` is compiled on first use with the system C++ compiler (as torch.compile's
-CPU backend is) into a cache folder keyed by the source, torch and compiler, and registered as
+The sources in `csrc/` are compiled on first use with the system C++ compiler (as torch.compile's
+CPU backend is) into a cache folder keyed by the sources, torch and compiler, and registered as
 the operators `torch.ops.dspark_cpu.*`. Where it cannot be had (another CPU, no compiler), torch's
 own kernels run: `available()` says why, once, in the log.
 """

@@ -13,6 +13,7 @@
 namespace dspark_cpu {
 
 constexpr int kMaxGroup = 8;             // query heads per K/V head the attention takes
+constexpr int kTileQueryRows = 16;       // query rows (tokens x their heads of one K/V head) a tile group holds
 
 // e^x, 16 lanes, to a few fp32 ulps (arguments clamped to [-87, 88]).
 inline __m512 exp_ps(__m512 x) {
@@ -86,7 +87,7 @@ inline void for_each_key(const uint16_t* cache, const uint16_t* extra_rows, cons
 }
 
 // The tile path of attend_tokens: tokens [first, first + count) of one request with the same
-// first key (and draft block), at most 16 query rows (count x G), over K/V head kvh.
+// first key (and draft block), at most kTileQueryRows query rows (count x G), over K/V head kvh.
 void attend_rows_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
                        const int64_t* keys, int64_t first, int64_t count, const AttentionShape& s,
                        const ExtraKeys& extra, int64_t kvh, float scale, std::vector<float>& scores,

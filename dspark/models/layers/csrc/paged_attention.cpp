@@ -20,14 +20,11 @@
 namespace dspark_cpu {
 namespace {
 
-constexpr int64_t kTileRows = 16;          // query rows a tile group holds
-
 inline __mmask32 tail32(int64_t left) { return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1; }
 
-
 // The G query heads of token `t` that share K/V head `kvh`, over keys [begin, end) of the
-// request whose block table is `table` (and the extra keys). The weighted values are summed 16 dimensions at a time
-// with the G sums in registers.
+// request whose block table is `table` (and the extra keys). The weighted values are summed 16
+// dimensions at a time with the G sums in registers.
 template <int G>
 void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
                   int64_t begin, int64_t end, const AttentionShape& s, const ExtraKeys& extra, int64_t t,
@@ -124,7 +121,7 @@ void attend_tokens(const at::BFloat16* q, int64_t tokens, const at::Tensor& k_ca
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   const int64_t G = s.heads / s.kv_heads;
-  const std::vector<TokenGroup> groups = token_groups(keys, tokens, tiles ? kTileRows / G : 1, block.rows);
+  const std::vector<TokenGroup> groups = token_groups(keys, tokens, tiles ? kTileQueryRows / G : 1, block.rows);
   const int64_t n = static_cast<int64_t>(groups.size());
   at::parallel_for(0, n * s.kv_heads, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;

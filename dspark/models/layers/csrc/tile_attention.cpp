@@ -20,8 +20,8 @@
 namespace dspark_cpu {
 namespace {
 
-constexpr int kLanes = 16;       // query rows per group, and keys per score tile
-constexpr int64_t kChunk = 32;   // dimensions per tile multiply
+constexpr int kLanes = kTileQueryRows;   // query rows per group, and keys per score tile
+constexpr int64_t kChunk = 32;           // dimensions per tile multiply
 constexpr int64_t kMaxDim = 256;
 
 // The group's rows: keys [begin, end) of the request (end: the latest row's end), each row's own
