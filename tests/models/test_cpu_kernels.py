@@ -38,12 +38,13 @@ def test_tile_linear_matches_an_fp32_product_for_every_row_count(out_f, in_f, bi
 
 
 @needs_tiles
-def test_a_row_gives_the_same_bits_alone_and_beside_others():
+@pytest.mark.parametrize("in_f", [200, 576])           # x copied into whole tiles; x read in place
+def test_a_row_gives_the_same_bits_alone_and_beside_others(in_f):
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(130, 200, generator=g).to(BF16)
+    w = torch.randn(130, in_f, generator=g).to(BF16)
     b = torch.randn(130, generator=g).to(BF16)
     tiles = cpu_kernels.pack_tiles(w)
-    x = torch.randn(cpu_kernels.MAX_ROWS, 200, generator=g).to(BF16)
+    x = torch.randn(cpu_kernels.MAX_ROWS, in_f, generator=g).to(BF16)
     alone = torch.cat([cpu_kernels.tile_linear(x[i:i + 1], tiles, 130, b) for i in range(x.shape[0])])
     for rows in range(2, cpu_kernels.MAX_ROWS + 1):
         assert torch.equal(cpu_kernels.tile_linear(x[:rows], tiles, 130, b), alone[:rows])
