@@ -2,6 +2,7 @@
 
 Reports, per prompt kind (chat, code): tokens/s of both, the speed-up, the mean accepted length
 τ (accepted drafts + 1 per round) and per-position acceptance; greedy outputs are checked equal.
+Each prompt runs plain, then DSpark, then the next prompt (interleaved).
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import time
 from dspark.outputs import SpecStats
 
 
-def _run(llm, prompts, params) -> tuple[int, float, list]:
-    tokens, seconds, outs = 0, 0.0, []
+def _run(engines: dict, prompts, params) -> dict[str, tuple[int, float, list]]:
+    """Each prompt through every engine in turn, so the machine's drift over a run (other
+    tenants, the read bandwidth) falls on both systems alike -> {name: (tokens, seconds, outputs)}."""
+    runs = {name: (0, 0.0, []) for name in engines}
     for ids in prompts:
-        start = time.perf_counter()
-        out = llm.generate([ids], params)[0]
-        seconds += time.perf_counter() - start
-        tokens += len(out.token_ids)
-        outs.append(out.token_ids)
-    return tokens, seconds, outs
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            out = llm.generate([ids], params, use_tqdm=False)[0]
+            tokens, seconds, outs = runs[name]
+            runs[name] = (tokens + len(out.token_ids), seconds + time.perf_counter() - start, outs + [out.token_ids])
+    return runs
 
 
 def run_spec_bench(args) -> None:
@@ -39,8 +42,8 @@ def run_spec_bench(args) -> None:
         spec.engine.reset_spec_stats()
         runs = {"plain": [], "dspark": []}
         for _ in range(args.repetitions):
-            runs["plain"].append(_run(plain, prompts, params))
-            runs["dspark"].append(_run(spec, prompts, params))
+            for name, run in _run({"plain": plain, "dspark": spec}, prompts, params).items():
+                runs[name].append(run)
         same = all(a == b for (_, _, x), (_, _, y) in zip(runs["plain"], runs["dspark"]) for a, b in zip(x, y))
         tps = {k: statistics.median(t / s for t, s, _ in v) for k, v in runs.items()}
         stats: SpecStats = spec.engine.spec_stats
