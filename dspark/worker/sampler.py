@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.models.layers.cpu_kernels import greedy_tokens
 from dspark.sampling_params import SamplingParams
 
 
@@ -188,12 +189,12 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits [N, V] fp32 -> tokens [N] (on the device)."""
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy = greedy_tokens(logits)
     if st.all_greedy:
-        return greedy_tokens
+        return greedy
     sparse = candidate_probs(logits, st)
     fits = sparse[2] if sparse is not None else [False] * logits.shape[0]
-    sampled = greedy_tokens.clone()
+    sampled = greedy.clone()
     # Each row takes the candidate path by its own logits and parameters alone, so a seeded
     # row's draws never depend on which other requests share its batch.
     rows = [i for i, fit in enumerate(fits) if fit]
@@ -207,4 +208,4 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         probs = processed_probs(sub_logits, sub)
         sampled[rest] = (probs / exponential_noise(tuple(probs.shape), sub.generators,
                                                    logits.device)).argmax(dim=-1)
-    return torch.where(st.greedy, greedy_tokens, sampled)
+    return torch.where(st.greedy, greedy, sampled)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.models.drafter import Drafter
+from dspark.models.layers.cpu_kernels import greedy_tokens
 from dspark.models.llama import CausalLM, ModelOutput
 from dspark.models.model_config import ModelConfig
 from dspark.sampling_params import SamplingParams
@@ -215,7 +216,7 @@ class Worker:
             block_rows = torch.tensor(_block_rows(counts, spec_idx, width), device=self.device)  # [R, γ+1]
             spec_st = st.select(spec_idx)
             if spec_st.all_greedy:
-                res = accept_greedy(logits.argmax(-1)[block_rows], lens, proposal)
+                res = accept_greedy(greedy_tokens(logits)[block_rows], lens, proposal)
             else:
                 res = accept(logits[block_rows], lens, proposal, spec_st)
             parts += [res.num_accepted, lens, res.tokens.flatten()]

@@ -222,3 +222,21 @@ def test_bf16_decode_steps_take_the_kernel_and_agree_with_the_torch_path(monkeyp
     monkeypatch.undo()
     assert "dspark_cpu::paged_attention_bf16" not in _ops(          # fp32 stays on torch's path
         lambda: paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.2))
+
+
+@needs_kernels
+def test_greedy_tokens_answer_as_torch_argmax_does():
+    """The first maximum (ties), the first NaN, an all -inf row; widths off the 16 lanes."""
+    g = torch.Generator().manual_seed(11)
+    for rows, width in [(8, 49152), (1, 49152), (5, 17), (3, 1), (64, 8192)]:
+        x = torch.randn(rows, width, generator=g)
+        assert torch.equal(cpu_kernels.greedy_tokens(x), x.argmax(-1)), (rows, width)
+    x = torch.randn(5, 100, generator=g)
+    x[0, 70] = x[0, 9] = x[0, 40] = 1e9                     # ties: the first wins
+    x[1, 99] = 1e9                                          # in the last, partial lane block
+    x[2, 30] = x[2, 60] = float("nan")                      # NaN counts as the maximum
+    x[3] = -float("inf")
+    x[4, 5], x[4, 80] = float("inf"), float("nan")
+    got = cpu_kernels.greedy_tokens(x)
+    assert got.tolist() == x.argmax(-1).tolist() == [9, 99, 30, 0, 80]
+    assert cpu_kernels.greedy_tokens(x.to(BF16)).tolist() == x.to(BF16).argmax(-1).tolist()   # torch's path

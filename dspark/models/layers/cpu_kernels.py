@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "paged_attention.cpp", CSRC / "tile_attention.cpp",
-           CSRC / "decoder_layer.cpp", CSRC / "markov_head.cpp")   # side by side
+           CSRC / "decoder_layer.cpp", CSRC / "markov_head.cpp", CSRC / "argmax.cpp")   # side by side
 HEADERS = (CSRC / "cpu_kernels.h",)
 MAX_ROWS = 64                    # rows of x `tile_linear` takes; more go to oneDNN
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -118,6 +118,7 @@ def available() -> bool:
         return False
     torch.library.register_fake("dspark_cpu::amx_linear")(_linear_shape)
     torch.library.register_fake("dspark_cpu::paged_attention_bf16")(_attention_shape)
+    torch.library.register_fake("dspark_cpu::argmax_rows_f32")(_argmax_shape)
     return True
 
 
@@ -137,6 +138,10 @@ def tiles_available() -> bool:
 
 def _linear_shape(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None) -> Tensor:
     return x.new_empty((x.shape[0], out))
+
+
+def _argmax_shape(x: Tensor) -> Tensor:
+    return x.new_empty(x.shape[:1], dtype=torch.long)
 
 
 def _attention_shape(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -179,5 +184,14 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                                                     block_size, scale, tiles)
 
 
-__all__ = ["MAX_GROUP", "MAX_QUERY", "MAX_ROWS", "available", "cache_dir", "cpu_flags", "pack_tiles",
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """logits [R, V] -> [R] the first maximum of each row, as `argmax(-1)` answers (NaN counts
+    as the maximum). fp32 rows on a CPU where the kernels load take `argmax_rows_f32`: torch's
+    argmax walks a 49,152-entry row element by element, 0.4 ms for an 8-row verify block."""
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu" and available():
+        return torch.ops.dspark_cpu.argmax_rows_f32(logits)
+    return logits.argmax(-1)
+
+
+__all__ = ["MAX_GROUP", "MAX_QUERY", "MAX_ROWS", "available", "cache_dir", "cpu_flags", "greedy_tokens", "pack_tiles",
            "paged_attention", "takes_attention", "tile_linear", "tiles_available"]
