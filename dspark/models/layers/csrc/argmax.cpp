@@ -27,10 +27,14 @@ int64_t argmax_row(const float* x, int64_t n) {
   const int64_t nan = first_nan(x, n);
   if (nan >= 0) return nan;
   __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16) top = _mm512_mask_max_ps(top, lanes(n - i), top, _mm512_maskz_loadu_ps(lanes(n - i), x + i));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, x + i));
+  }
   const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes(n - i), _mm512_maskz_loadu_ps(lanes(n - i), x + i), best, _CMP_EQ_OQ);
+    const __mmask16 m = lanes(n - i);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + i), best, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
   return 0;                              // every entry -inf: the first, as torch answers

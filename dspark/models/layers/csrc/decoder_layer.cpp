@@ -67,8 +67,9 @@ void rotate(bf16* x, int64_t heads, int64_t dim, const bf16* cos, const bf16* si
     for (int64_t i = 0; i < half; i += 16) {
       const __mmask16 m = lanes(half - i);
       const __m512 a = load16(v + i, m), b = load16(v + i + half, m);
+      const __m512 minus_b = _mm512_sub_ps(_mm512_setzero_ps(), b);
       const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(a, load16(cos + i, m))),
-                                      round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), load16(sin + i, m))));
+                                      round16(_mm512_mul_ps(minus_b, load16(sin + i, m))));
       const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(b, load16(cos + i + half, m))),
                                       round16(_mm512_mul_ps(a, load16(sin + i + half, m))));
       store16(v + i, lo, m);
