@@ -28,7 +28,7 @@ from dspark.engine.sequence import Sequence
 from dspark.spec.cost_correction import CostCorrection
 from dspark.spec.online_correction import OnlineSurvivalCorrection
 from dspark.spec.planner import CostTable, StepPlan, plan_step
-from dspark.spec.sts import STSCalibration
+from dspark.spec.sts import STSCalibration, host_survival
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,8 @@ class ConfidenceScheduler:
     def record(self, seq: Sequence, confidence_logits: list[float], verified: int, accepted: int) -> None:
         seq.confidence_history.append(confidence_logits)
         del seq.confidence_history[:-self.lag]
-        self.correction.observe(self._survival(np.asarray(confidence_logits)), verified, accepted)
-
-    def _survival(self, logits: np.ndarray) -> np.ndarray:
-        """z [.., γ] -> cumulative products of the STS confidences σ(z_k / T_k + b_k) (the host's
-        twin of sts.survival, which the worker runs on the device)."""
-        return np.cumprod(1.0 / (1.0 + np.exp(-(logits / self.temperatures + self.offsets))), axis=-1)
+        survival = host_survival(np.asarray(confidence_logits), self.temperatures, self.offsets)
+        self.correction.observe(survival, verified, accepted)
 
     def _stale_survival(self, spec: list[ScheduledRequest]) -> np.ndarray:
         """[R, γ] survival from `lag` rounds back, corrected and faded toward the population's
@@ -68,7 +64,8 @@ class ConfidenceScheduler:
             history = s.seq.confidence_history
             rows.append(history[-min(self.lag, len(history))] if history else [0.0] * self.gamma)
             weight.append(0.5 ** (s.seq.steps_without_draft / self.half_life) if history else 0.0)
-        own = self.correction.apply(self._survival(np.asarray(rows, dtype=np.float64)))
+        own = self.correction.apply(host_survival(np.asarray(rows, dtype=np.float64), self.temperatures,
+                                                  self.offsets))
         w = np.asarray(weight)[:, None]
         survival = w * own + (1.0 - w) * self.correction.realised_survival[None, :]
         caps = np.asarray([s.verify_len for s in spec])

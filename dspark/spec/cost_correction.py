@@ -101,7 +101,8 @@ class CostCorrection:
     def scale(self, other_tokens: int, max_budget: int) -> CostScale:
         """The factors for a step of `other_tokens` plus a verify budget of 0..max_budget."""
         tokens = np.arange(other_tokens, other_tokens + max_budget + 1, dtype=np.float64)
-        classes = np.minimum(np.ceil(np.log2(np.maximum(tokens, 1.0))), MAX_CLASSES - 1).astype(np.int64)  # size_class
+        classes = np.ceil(np.log2(np.maximum(tokens, 1.0))).astype(np.int64)                # size_class
+        classes = np.minimum(classes, MAX_CLASSES - 1)
         ratios = self.ratios
         return CostScale(plain=float(ratios[PLAIN, size_class(other_tokens)]),
                          drafted=ratios[DRAFTED, classes])

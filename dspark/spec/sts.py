@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 GRID = torch.logspace(-3, 3, 121, base=2.0)        # temperatures 0.125 .. 8
@@ -89,6 +90,12 @@ def survival(logits: torch.Tensor, temps: torch.Tensor, offsets: torch.Tensor | 
     """z [N, γ], T [γ], b [γ] -> a [N, γ] = cumulative product of σ(z_k / T_k + b_k)."""
     scaled = logits / temps if offsets is None else logits / temps + offsets
     return torch.sigmoid(scaled).cumprod(dim=-1)
+
+
+def host_survival(logits: np.ndarray, temps: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """`survival` in numpy, for the planner on the host between steps (a handful of numbers,
+    where torch's per-operator dispatch would cost more than the arithmetic)."""
+    return np.cumprod(1.0 / (1.0 + np.exp(-(logits / temps + offsets))), axis=-1)
 
 
 def fit_sts(logits: torch.Tensor, labels: torch.Tensor, grid: torch.Tensor = GRID,

@@ -193,5 +193,5 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     return logits.argmax(-1)
 
 
-__all__ = ["MAX_GROUP", "MAX_QUERY", "MAX_ROWS", "available", "cache_dir", "cpu_flags", "greedy_tokens", "pack_tiles",
-           "paged_attention", "takes_attention", "tile_linear", "tiles_available"]
+__all__ = ["MAX_GROUP", "MAX_QUERY", "MAX_ROWS", "available", "cache_dir", "cpu_flags", "greedy_tokens",
+           "pack_tiles", "paged_attention", "takes_attention", "tile_linear", "tiles_available"]

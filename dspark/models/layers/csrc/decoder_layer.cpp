@@ -26,7 +26,6 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-
 // Runs fn(m) for rows [0, rows), on the thread pool when there are enough rows to pay for it.
 template <typename Fn>
 void for_rows(int64_t rows, Fn fn) {
