@@ -5,3 +5,22 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))   # lets tests import the shared `tiny` helpers
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+import pytest  # noqa: E402
+
+from dspark.models.layers import cpu_kernels  # noqa: E402
+
+# The arithmetic of dspark's CPU kernels: AVX512-BF16 dot products, or AMX tiles where the CPU has them.
+PATH_MARKS = {
+    False: pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX512-BF16 and a C++ compiler"),
+    True: pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs AMX and a C++ compiler"),
+}
+KERNEL_PATHS = [pytest.param(amx, marks=PATH_MARKS[amx], id="amx" if amx else "vector") for amx in (False, True)]
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def amx(request, monkeypatch):
+    """Run a test on one path of the kernels: packing (and so fusing) follows `tiles_available`,
+    which this pins for the test (a CPU with AMX can run the vector path too)."""
+    monkeypatch.setattr(cpu_kernels, "tiles_available", lambda: request.param)
+    return request.param

@@ -176,6 +176,7 @@ class ConfidenceHead(nn.Module):
 class Drafter(nn.Module):
     draft_lm_head_packed: torch.Tensor | None = None   # [V_draft, d] oneDNN copy (inference only)
     draft_lm_head_tiles: torch.Tensor | None = None    # its cpu_kernels tile copy (inference only)
+    draft_lm_head_amx: bool = False                      # the tiles go through AMX
     fused_blocks: "FusedDraftStack | None" = None        # fused_stack.fuse_draft_blocks (inference only)
 
     def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Module):
@@ -254,7 +255,7 @@ class Drafter(nn.Module):
         """[..., d] -> fp32 [..., V_draft] through the target lm_head (its draft-vocab rows)."""
         if self.config.uses_draft_vocab:
             return linear(h, self.draft_lm_head_weight.to(h.dtype), self.draft_lm_head_packed,
-                          tiles=self.draft_lm_head_tiles).float()
+                          tiles=self.draft_lm_head_tiles, amx=self.draft_lm_head_amx).float()
         return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
 
     # ---- sequential head -------------------------------------------------------------------

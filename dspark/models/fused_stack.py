@@ -1,12 +1,13 @@
-"""The decoder stack of a small bf16 step as one kernel call per layer, on x86 CPUs with AMX.
+"""The decoder stack of a small bf16 step as one kernel call per layer, on x86 CPUs with
+AVX512-BF16 (projections and scores through AMX tiles where the CPU has them).
 
 A decode or verify step of a few rows spends as long between its projections as in them: the
 norms, the rotary embedding, the K/V write and the residual adds are some forty small operators
 per layer, a few microseconds of dispatch each, and torch.compile trades them for guard checks
 and a wrapper call per compiled piece. `cpu_kernels`' decoder_layer_bf16 runs a whole layer
-(norms, AMX projections, rotary, K/V write, paged attention, SiLU gate) in one call, rounding
-to bf16 where the modules round. `CausalLM.run_stack` hands it every step it can take: at most
-`cpu_kernels.MAX_ROWS` rows (bucket padding included), attention by the in-place kernel, one
+(norms, projections, rotary, K/V write, paged attention, SiLU gate) in one call, rounding to
+bf16 where the modules round. `CausalLM.run_stack` hands it every step it can take: at most
+`cpu_kernels.tile_rows` rows (bucket padding included), attention by the in-place kernel, one
 attention group. The graph backends still own the larger steps.
 """
 
@@ -99,10 +100,12 @@ def _fused_draft_layer(layer: "DraftLayer") -> FusedLayer | None:
 class _Fused:
     """Layers for decoder_layer_bf16 and the shapes the kernel takes as arguments."""
 
-    def __init__(self, cfg, layers: list[FusedLayer]):
+    def __init__(self, cfg, layers: list[FusedLayer], amx: bool):
         self.layers = layers
         self.heads, self.intermediate = cfg.num_heads, cfg.intermediate_size
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        self.amx = amx                                  # projections and scores through AMX tiles
+        self.max_rows = cpu_kernels.tile_rows(amx)      # rows a call takes
 
     def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                    slots: Tensor, block_tables: Tensor, keys: Tensor, block_size: int, live: int,
@@ -114,7 +117,7 @@ class _Fused:
         for i, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = op(x, cos, sin, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o, w.post_norm,
                    w.gate_up, w.down, k_cache, v_cache, slots, block_tables, keys, block_size, live,
-                   self.heads, self.intermediate, self.eps, self.scale, block_rows)
+                   self.heads, self.intermediate, self.eps, self.scale, block_rows, self.amx)
             if i in aux_layer_ids:
                 aux[i] = x
         return x, aux
@@ -125,7 +128,7 @@ class FusedStack(_Fused):
 
     def takes(self, num_rows: int, meta: AttentionMetadata) -> bool:
         """Whether a step of `num_rows` rows (padding included) runs here."""
-        return (0 < num_rows <= cpu_kernels.MAX_ROWS and meta.parts is None and meta.token_keys is not None
+        return (0 < num_rows <= self.max_rows and meta.parts is None and meta.token_keys is not None
                 and (meta.num_tokens is None or meta.num_tokens > 0) and meta.max_q <= cpu_kernels.MAX_QUERY)
 
     def run(self, model: "CausalLM", input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
@@ -146,12 +149,12 @@ class FusedDraftStack(_Fused):
     """A packed drafter's layers for decoder_layer_bf16 in block mode; `fuse_draft_blocks`
     builds it. Its block pass reads the context K/V in place from the drafter's pages."""
 
-    def __init__(self, cfg, layers: list[FusedLayer]):
-        super().__init__(cfg, layers)
+    def __init__(self, cfg, layers: list[FusedLayer], amx: bool):
+        super().__init__(cfg, layers, amx)
         self.q_tiles = cfg.num_heads * cfg.head_dim // 16      # the joined qkv tiles' q part
 
     def takes(self, num_rows: int) -> bool:
-        return 0 < num_rows <= cpu_kernels.MAX_ROWS
+        return 0 < num_rows <= self.max_rows
 
     def block_forward(self, drafter: "Drafter", block_ids: Tensor, positions: Tensor,
                       kv_caches: list[tuple[Tensor, Tensor]], block_tables: Tensor, starts: Tensor,
@@ -171,7 +174,7 @@ class FusedDraftStack(_Fused):
 
     def append_context(self, drafter: "Drafter", kv_caches: list[tuple[Tensor, Tensor]], aux_hidden: Tensor,
                        positions: Tensor, write_rows: Tensor | None, write_slots: Tensor) -> None:
-        """`draft.append_context` for at most MAX_ROWS rows: each layer's context K/V in one
+        """`draft.append_context` for at most `max_rows` rows: each layer's context K/V in one
         kernel call (the joined k/v projection, k norm, rotary, the slot writes)."""
         h = drafter.project_context(aux_hidden)                                          # [T, d]
         t = h.shape[0]
@@ -180,24 +183,25 @@ class FusedDraftStack(_Fused):
         op = torch.ops.dspark_cpu.context_kv_bf16
         for w, (k_cache, v_cache) in zip(self.layers, kv_caches):
             op(h, cos.view(t, -1), sin.view(t, -1), w.qkv[self.q_tiles:], w.k_norm, k_cache, v_cache, slots,
-               self.eps)
+               self.eps, self.amx)
 
     def markov_greedy(self, drafter: "Drafter", h: Tensor, base: Tensor, anchors: Tensor
                       ) -> tuple[Tensor, Tensor] | None:
         """The γ greedy drafts of a vanilla Markov head in one call (cpu_kernels'
         markov_greedy_bf16): h [R, γ, d], base fp32 [R, γ, V_draft], anchors [R] -> (target ids
         [R, γ], confidence logits fp32 [R, γ], zeros without a head); None where it cannot run
-        (another head type, a confidence head without the Markov input, more than 64 requests)."""
+        (another head type, a confidence head without the Markov input, more than `max_rows`
+        requests)."""
         cfg, head, conf = drafter.config, drafter.markov_head, drafter.confidence_head
         if head is None or head.head_type != "vanilla" or head.markov_w2.tiles is None \
-                or not 0 < h.shape[0] <= cpu_kernels.MAX_ROWS or h.dtype != torch.bfloat16:
+                or not 0 < h.shape[0] <= self.max_rows or h.dtype != torch.bfloat16:
             return None
         if conf is not None and (not cfg.confidence_head_with_markov or conf.proj.tiles is None):
             return None
         return torch.ops.dspark_cpu.markov_greedy_bf16(
             base, h, anchors, head.markov_w1.weight, head.markov_w2.tiles,
             None if conf is None else conf.proj.tiles, None if conf is None else conf.proj.bias,
-            drafter.draft_to_target_index if cfg.uses_draft_vocab else None)
+            drafter.draft_to_target_index if cfg.uses_draft_vocab else None, self.amx)
 
 
 def slots_per_row(write_rows: Tensor | None, write_slots: Tensor, rows: int) -> Tensor:
@@ -219,27 +223,28 @@ def fuse_draft_blocks(drafter: "Drafter") -> bool:
     """Give a packed bf16 drafter its FusedDraftStack (drafter.fused_blocks) where the kernels
     run and its projections qualify (tile copies, no biases); -> whether it did."""
     cfg = drafter.config
-    if not cpu_kernels.tiles_available() or cfg.num_heads // cfg.num_kv_heads > cpu_kernels.MAX_GROUP:
+    if not cpu_kernels.available() or cfg.num_heads // cfg.num_kv_heads > cpu_kernels.MAX_GROUP:
         return False
     layers = [_fused_draft_layer(layer) for layer in drafter.layers]
     if any(layer is None for layer in layers):
         return False
-    drafter.fused_blocks = FusedDraftStack(cfg, layers)
-    logger.info("draft blocks of up to %d rows run each draft layer as one kernel call", cpu_kernels.MAX_ROWS)
+    drafter.fused_blocks = FusedDraftStack(cfg, layers, drafter.layers[0].mlp.down_proj.amx)   # as packed
+    logger.info("draft blocks of up to %d rows run each draft layer as one kernel call",
+                drafter.fused_blocks.max_rows)
     return True
 
 
 def fuse_small_steps(model: "CausalLM") -> bool:
     """Give a packed bf16 target its FusedStack (model.fused_stack) where the kernels run: every
-    projection has its tile copy (pack_for_inference on an AMX CPU) and the norms are bf16.
+    projection has its tile copy (pack_for_inference on an AVX512-BF16 CPU) and the norms are bf16.
     -> whether it did."""
-    if not cpu_kernels.tiles_available() or model.config.num_heads // model.config.num_kv_heads > cpu_kernels.MAX_GROUP:
+    if not cpu_kernels.available() or model.config.num_heads // model.config.num_kv_heads > cpu_kernels.MAX_GROUP:
         return False
     layers = [_fused_layer(layer) for layer in model.layers]
     if any(layer is None for layer in layers):
         return False
-    model.fused_stack = FusedStack(model.config, layers)
-    logger.info("steps of up to %d rows run each decoder layer as one kernel call", cpu_kernels.MAX_ROWS)
+    model.fused_stack = FusedStack(model.config, layers, model.layers[0].mlp.down_proj.amx)   # as packed
+    logger.info("steps of up to %d rows run each decoder layer as one kernel call", model.fused_stack.max_rows)
     return True
 
 

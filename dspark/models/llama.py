@@ -159,7 +159,7 @@ class CausalLM(nn.Module):
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stack as pieces with eager attention between them; `entry` (`embed_and_enter`) and
         `transition` (`layer_transition`) may be swapped for compiled versions of themselves. A
-        step the target's fused stack takes (fused_stack.py: a few bf16 rows on an AMX CPU) runs
+        step the target's fused stack takes (fused_stack.py: a few bf16 rows on an AVX512-BF16 CPU) runs
         there instead, one kernel call per layer, whichever pieces were given."""
         if self.fused_stack is not None and self.fused_stack.takes(input_ids.shape[0], meta):
             return self.fused_stack.run(self, input_ids, positions, meta, kv_caches, aux_layer_ids)

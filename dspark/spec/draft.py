@@ -43,7 +43,7 @@ def propose(drafter: Drafter, kv: KVCaches, anchors: torch.Tensor, starts: torch
     `kv_len` is how many context keys to gather (default: the longest context, read with one
     device sync); a padded replay passes whole pages instead, known on the host. `run_block` runs
     the block pass (default: `block_pass` as it is; the compile backend passes its compiled form).
-    A block pass the drafter's fused layers take (fused_stack.py: a few bf16 rows on an AMX CPU)
+    A block pass the drafter's fused layers take (fused_stack.py: a few bf16 rows on an AVX512-BF16 CPU)
     runs there instead, reading the context in place.
     """
     cfg = drafter.config

@@ -1,4 +1,4 @@
-"""dspark's CPU kernels: bf16 projections of up to 64 rows (AMX) and short-query attention."""
+"""dspark's CPU kernels: bf16 projections of a few rows (AMX or AVX512-BF16) and short-query attention."""
 
 import pytest
 import torch
@@ -8,11 +8,11 @@ from torch.profiler import ProfilerActivity, profile
 from dspark.models.layers import cpu_kernels
 from dspark.models.layers.linear import Linear, linear, pack_for_inference, pack_linears
 from dspark.models.loader import load_target
+from conftest import PATH_MARKS
 from tiny import save_tiny
 
 BF16 = torch.bfloat16
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX512-BF16 and a C++ compiler")
-needs_tiles = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs AMX and a C++ compiler")
 
 
 def _reference(x, w, b):
@@ -21,10 +21,9 @@ def _reference(x, w, b):
     return (out if b is None else out + b.float()).to(BF16)
 
 
-@needs_tiles
 @pytest.mark.parametrize("out_f,in_f", [(960, 576), (7, 100), (33, 1536), (4, 31), (1, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_tile_linear_matches_an_fp32_product_for_every_row_count(out_f, in_f, bias):
+def test_tile_linear_matches_an_fp32_product_for_every_row_count(out_f, in_f, bias, amx):
     g = torch.Generator().manual_seed(out_f * in_f)
     w = torch.randn(out_f, in_f, generator=g).to(BF16)
     b = torch.randn(out_f, generator=g).to(BF16) if bias else None
@@ -32,35 +31,33 @@ def test_tile_linear_matches_an_fp32_product_for_every_row_count(out_f, in_f, bi
     assert tiles.shape == (-(-out_f // 16), -(-in_f // 32), 16, 16, 2)
     for rows in range(1, cpu_kernels.MAX_ROWS + 1):
         x = torch.randn(rows, in_f, generator=g).to(BF16)
-        got, ref = cpu_kernels.tile_linear(x, tiles, out_f, b).float(), _reference(x, w, b).float()
+        got, ref = cpu_kernels.tile_linear(x, tiles, out_f, b, amx).float(), _reference(x, w, b).float()
         # only the fp32 summation order differs: within one bf16 step of the reference
         assert torch.all((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-2), (rows, out_f, in_f)
 
 
-@needs_tiles
 @pytest.mark.parametrize("in_f", [200, 576])           # x copied into whole tiles; x read in place
-def test_a_row_gives_the_same_bits_alone_and_beside_others(in_f):
+def test_a_row_gives_the_same_bits_alone_and_beside_others(in_f, amx):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(130, in_f, generator=g).to(BF16)
     b = torch.randn(130, generator=g).to(BF16)
     tiles = cpu_kernels.pack_tiles(w)
     x = torch.randn(cpu_kernels.MAX_ROWS, in_f, generator=g).to(BF16)
-    alone = torch.cat([cpu_kernels.tile_linear(x[i:i + 1], tiles, 130, b) for i in range(x.shape[0])])
+    alone = torch.cat([cpu_kernels.tile_linear(x[i:i + 1], tiles, 130, b, amx) for i in range(x.shape[0])])
     for rows in range(2, cpu_kernels.MAX_ROWS + 1):
-        assert torch.equal(cpu_kernels.tile_linear(x[:rows], tiles, 130, b), alone[:rows])
+        assert torch.equal(cpu_kernels.tile_linear(x[:rows], tiles, 130, b, amx), alone[:rows])
 
 
-@needs_tiles
-def test_tile_linear_refuses_what_it_cannot_take():
+def test_tile_linear_refuses_what_it_cannot_take(amx):
     tiles = cpu_kernels.pack_tiles(torch.randn(8, 32).to(BF16))
     with pytest.raises(RuntimeError, match="1 to 64 bf16 rows"):
-        cpu_kernels.tile_linear(torch.randn(cpu_kernels.MAX_ROWS + 1, 32).to(BF16), tiles, 8)
+        cpu_kernels.tile_linear(torch.randn(cpu_kernels.MAX_ROWS + 1, 32).to(BF16), tiles, 8, None, amx)
     with pytest.raises(RuntimeError, match="1 to 64 bf16 rows"):
-        cpu_kernels.tile_linear(torch.randn(1, 32), tiles, 8)
+        cpu_kernels.tile_linear(torch.randn(1, 32), tiles, 8, None, amx)
     with pytest.raises(RuntimeError, match="does not fit"):
-        cpu_kernels.tile_linear(torch.randn(1, 64).to(BF16), tiles, 8)
+        cpu_kernels.tile_linear(torch.randn(1, 64).to(BF16), tiles, 8, None, amx)
     with pytest.raises(RuntimeError, match="does not fit"):
-        cpu_kernels.tile_linear(torch.randn(1, 32).to(BF16), tiles, 17)
+        cpu_kernels.tile_linear(torch.randn(1, 32).to(BF16), tiles, 17, None, amx)
 
 
 def _ops(fn) -> set[str]:
@@ -69,24 +66,22 @@ def _ops(fn) -> set[str]:
     return {e.key for e in prof.key_averages()}
 
 
-@needs_tiles
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_steps_take_the_tiles_and_large_ones_onednn(bias):
+def test_small_steps_take_the_tiles_and_large_ones_onednn(bias, amx):
     torch.manual_seed(0)
     lin = Linear(96, 80, bias=bias).to(BF16).requires_grad_(False)
     dense = lin.weight.clone()
     assert pack_linears(lin, drop_dense=True, tiles=True) == 1
-    assert lin.tiles is not None and lin.weight.numel() == 0
-    small, large = torch.randn(2, 8, 96).to(BF16), torch.randn(cpu_kernels.MAX_ROWS + 1, 96).to(BF16)
-    assert "dspark_cpu::amx_linear" in _ops(lambda: lin(small))
-    assert "dspark_cpu::amx_linear" not in _ops(lambda: lin(large))
-    expected = cpu_kernels.tile_linear(small.view(16, 96), cpu_kernels.pack_tiles(dense), 80, lin.bias)
+    assert lin.tiles is not None and lin.weight.numel() == 0 and lin.amx == amx
+    small, large = torch.randn(2, 8, 96).to(BF16), torch.randn(cpu_kernels.tile_rows(amx) + 1, 96).to(BF16)
+    assert "dspark_cpu::linear_bf16" in _ops(lambda: lin(small))
+    assert "dspark_cpu::linear_bf16" not in _ops(lambda: lin(large))
+    expected = cpu_kernels.tile_linear(small.view(16, 96), cpu_kernels.pack_tiles(dense), 80, lin.bias, amx)
     assert torch.equal(lin(small), expected.view(2, 8, 80))
     assert torch.equal(lin(large), linear(large, dense, None, lin.bias))
 
 
-@needs_tiles
-def test_compiled_graph_calls_the_tile_kernel_and_matches_eager():
+def test_compiled_graph_calls_the_tile_kernel_and_matches_eager(amx):
     torch.manual_seed(0)
     lin = Linear(64, 48 + 3, bias=False).to(BF16).requires_grad_(False)   # a shape of its own
     pack_linears(lin, drop_dense=True, tiles=True)
@@ -94,22 +89,21 @@ def test_compiled_graph_calls_the_tile_kernel_and_matches_eager():
     x = torch.randn(1, 64).to(BF16)
     out, code = run_and_get_code(compiled, x)
     assert torch.equal(out, torch.relu(lin(x)) * 2)
-    assert "dspark_cpu.amx_linear" in "\n".join(code)
+    assert "dspark_cpu.linear_bf16" in "\n".join(code)
 
 
-def test_without_tiles_packing_keeps_only_onednn(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "tiles_available", lambda: False)
+def test_without_the_kernels_packing_keeps_only_onednn(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     save_tiny(str(tmp_path), "llama", True)
     target = load_target(str(tmp_path), BF16)
     pack_for_inference(target.model, None)
     down = target.model.layers[0].mlp.down_proj
     assert down.tiles is None and down.weight.numel() == 0 and down.packed is not None
     x = torch.randn(1, down.in_features).to(BF16)
-    assert "dspark_cpu::amx_linear" not in _ops(lambda: down(x))
+    assert "dspark_cpu::linear_bf16" not in _ops(lambda: down(x))
 
 
-@needs_tiles
-def test_one_token_outputs_through_the_tiles_agree_with_onednn(tmp_path):
+def test_one_token_outputs_through_the_tiles_agree_with_onednn(tmp_path, amx):
     save_tiny(str(tmp_path), "qwen2", False)                      # q/k/v biases too
     ids = torch.tensor([5, 9, 17, 3, 44, 2])
     outs = []
@@ -151,7 +145,7 @@ def _attention_reference(q, k_cache, v_cache, tables, token_keys, block_size, sc
     return torch.stack(out)
 
 
-PATHS = [pytest.param(False, id="vector"), pytest.param(True, id="tiles", marks=needs_tiles)]
+PATHS = [pytest.param(False, id="vector"), pytest.param(True, id="tiles", marks=PATH_MARKS[True])]
 
 
 @needs_kernels

@@ -5,7 +5,6 @@ import torch
 
 from dspark.models.drafter_loader import load_drafter
 from dspark.models.fused_stack import fuse_draft_blocks
-from dspark.models.layers import cpu_kernels
 from dspark.models.layers.attention import gather_blocks
 from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
@@ -16,7 +15,6 @@ from tiny import save_random_drafter, save_tiny
 
 BF16 = torch.bfloat16
 BLOCK = 4
-needs_tiles = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs AMX and a C++ compiler")
 
 
 def _drafter(tmp_path, dtype):
@@ -68,9 +66,8 @@ def _module_pass(drafter, ids, pos, kv, tables, st, dtype):
     return drafter.block_forward(ids, pos, ctx_k, ctx_v, valid).float()
 
 
-@needs_tiles
 @pytest.mark.parametrize("starts", [[9], [13, 0], [2, 7, 11], [1, 4, 6, 3, 9]])   # the last: 20 rows
-def test_fused_block_pass_is_as_close_to_fp32_as_the_bf16_modules(tmp_path, starts):
+def test_fused_block_pass_is_as_close_to_fp32_as_the_bf16_modules(tmp_path, starts, amx):
     drafter, reference = _pair(tmp_path)
     kv = _context(drafter)
     tables = torch.tensor([[3, 0, 7, 1], [5, 8, 2, 6], [10, 4, 11, 9], [1, 2, 3, 4], [6, 5, 0, 8]])[:len(starts)]
@@ -90,8 +87,7 @@ def test_fused_block_pass_is_as_close_to_fp32_as_the_bf16_modules(tmp_path, star
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
-@needs_tiles
-def test_the_block_keys_and_the_context_both_count(tmp_path):
+def test_the_block_keys_and_the_context_both_count(tmp_path, amx):
     drafter, _ = _pair(tmp_path)
     tables = torch.tensor([[3, 0, 7, 1]])
     ids, pos, st = _blocks(drafter, [9])
@@ -107,8 +103,7 @@ def test_the_block_keys_and_the_context_both_count(tmp_path):
     assert not torch.allclose(base[0, 1:], other_anchor[0, 1:], atol=1e-2)   # mask rows see the anchor
 
 
-@needs_tiles
-def test_propose_runs_the_fused_pass_and_drafts_what_the_modules_draft(tmp_path):
+def test_propose_runs_the_fused_pass_and_drafts_what_the_modules_draft(tmp_path, amx):
     drafter, _ = _pair(tmp_path)
     kv = _context(drafter)
     tables = torch.tensor([[3, 0, 7, 1], [5, 8, 2, 6]])
@@ -127,9 +122,8 @@ def test_propose_runs_the_fused_pass_and_drafts_what_the_modules_draft(tmp_path)
     assert torch.allclose(fused.confidence_logits, ref.confidence_logits, atol=0.1)
 
 
-@needs_tiles
 @pytest.mark.parametrize("requests", [1, 3])
-def test_the_greedy_markov_kernel_gives_the_module_loop_bit_for_bit(tmp_path, requests):
+def test_the_greedy_markov_kernel_gives_the_module_loop_bit_for_bit(tmp_path, requests, amx):
     from dspark.spec.draft import _markov_loop
     drafter, _ = _pair(tmp_path)
     cfg = drafter.config
@@ -155,9 +149,8 @@ def test_the_greedy_markov_kernel_gives_the_module_loop_bit_for_bit(tmp_path, re
     assert fused.probs is None and ref.probs is None
 
 
-@needs_tiles
 @pytest.mark.parametrize("skip_rows", [False, True])
-def test_fused_context_append_writes_what_the_modules_write(tmp_path, skip_rows):
+def test_fused_context_append_writes_what_the_modules_write(tmp_path, skip_rows, amx):
     from dspark.spec.draft import append_context
     drafter, _ = _pair(tmp_path)
     cfg = drafter.config

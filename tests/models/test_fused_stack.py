@@ -10,10 +10,10 @@ from dspark.models.layers import cpu_kernels
 from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.worker.inputs import RequestChunk, build_inputs
+from conftest import PATH_MARKS
 from tiny import save_tiny
 
 BF16 = torch.bfloat16
-needs_tiles = pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs AMX and a C++ compiler")
 BLOCK = 4
 
 
@@ -61,17 +61,22 @@ STEPS = {
                RequestChunk([17], 8, [2, 6, 4], 1)],
     "verify": [RequestChunk([5, 8, 2, 11, 30], 9, [3, 0, 7, 1], 5), RequestChunk([9, 1, 4], 2, [5, 8], 3)],
     "dummy_request": [RequestChunk([5, 8, 2], 6, [3, 0, 7], 3), RequestChunk([0, 0], 0, [-1], 1)],
-    # 30 rows: two blocks of 16 rows in every projection
+    # 16 rows: two chunks of 8 rows in every vector projection
+    "full_verify": [RequestChunk([7 + i, 8, 2, 11, 30, 6, 1, 3], i, [8 + 3 * i, 9 + 3 * i, 10 + 3 * i], 8)
+                    for i in range(2)],
+    # 30 rows: two blocks of 16 rows in every AMX projection (past the vector path's 16)
     "wide_verify": [RequestChunk([7 + i, 8, 2, 11, 30], i, [8 + 3 * i, 9 + 3 * i, 10 + 3 * i], 5) for i in range(6)],
 }
+CASES = [pytest.param(amx, step, marks=PATH_MARKS[amx], id=f"{'amx' if amx else 'vector'}-{step}")
+         for amx in (False, True) for step in sorted(STEPS) if amx or step != "wide_verify"]
 
 
-@needs_tiles
+@pytest.mark.parametrize("amx,step", CASES, indirect=["amx"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("pad", [False, True])
-def test_fused_layers_agree_with_the_modules_and_write_the_same_kv(tmp_path, family, step, pad):
+def test_fused_layers_agree_with_the_modules_and_write_the_same_kv(tmp_path, amx, family, step, pad):
     model = _target(tmp_path, family)
+    assert model.fused_stack.amx == amx
     rows = sum(len(c.token_ids) for c in STEPS[step])
     ids, pos, meta, live = _step(STEPS[step], (16 if rows <= 16 else 64) if pad else None)
     assert model.fused_stack.takes(ids.shape[0], meta)
@@ -98,8 +103,7 @@ def test_fused_layers_agree_with_the_modules_and_write_the_same_kv(tmp_path, fam
         assert not torch.equal(fk[written], _caches(model, 32, seed=1)[0][0][written])
 
 
-@needs_tiles
-def test_a_row_gives_the_same_bits_alone_and_in_a_padded_bucket(tmp_path):
+def test_a_row_gives_the_same_bits_alone_and_in_a_padded_bucket(tmp_path, amx):
     model = _target(tmp_path, "llama")
     chunk = RequestChunk([5], 13, [3, 0, 7, 1], 1)
     outs = []
@@ -110,13 +114,14 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_padded_bucket(tmp_path):
     assert torch.equal(outs[0], outs[1])
 
 
-@needs_tiles
-def test_steps_the_fused_layers_do_not_take(tmp_path):
+def test_steps_the_fused_layers_do_not_take(tmp_path, amx):
     model = _target(tmp_path, "llama")
     fused = model.fused_stack
+    assert fused.max_rows == (cpu_kernels.MAX_ROWS if amx else cpu_kernels.MAX_VECTOR_ROWS)
     _, _, meta, _ = _step([RequestChunk(list(range(17)), 0, [0, 1, 2, 3, 4], 1)])
-    assert not fused.takes(17, meta)                                    # more rows than a tile
+    assert not fused.takes(17, meta)                                    # a longer query than it serves
     _, _, meta, _ = _step(STEPS["decode"])
+    assert fused.takes(fused.max_rows, meta) and not fused.takes(fused.max_rows + 1, meta)   # bucket rows
     assert fused.takes(3, meta)
     assert not fused.takes(3, dataclasses.replace(meta, token_keys=None))
     assert not fused.takes(3, dataclasses.replace(meta, num_tokens=0))   # an all-dummy step
@@ -132,8 +137,7 @@ def test_row_slots_mark_rows_that_store_nothing():
     assert row_slots(meta, live).tolist() == [1 * BLOCK + 1, 5 * BLOCK + 2, 4 * BLOCK + 0]
 
 
-@needs_tiles
-def test_the_kernel_refuses_keys_outside_the_block_table(tmp_path):
+def test_the_kernel_refuses_keys_outside_the_block_table(tmp_path, amx):
     model = _target(tmp_path, "llama")
     ids, pos, meta, _ = _step(STEPS["decode"])
     bad = meta.token_keys.clone()
@@ -142,8 +146,8 @@ def test_the_kernel_refuses_keys_outside_the_block_table(tmp_path):
         model.run_stack(ids, pos, dataclasses.replace(meta, token_keys=bad), _caches(model, 9, seed=3))
 
 
-def test_without_tiles_there_is_no_fused_stack(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "tiles_available", lambda: False)
+def test_without_the_kernels_there_is_no_fused_stack(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     save_tiny(str(tmp_path), "llama", True)
     target = load_target(str(tmp_path), BF16)
     pack_for_inference(target.model, None)

@@ -98,7 +98,8 @@ def test_packed_target_logits_equal_plain_and_keep_the_lm_head(tmp_path, family,
     packed = pack_for_inference(target.model, None)
     assert packed == 4 * target.config.num_layers + 1
     down = target.model.layers[0].mlp.down_proj
-    assert (down.tiles is not None) == cpu_kernels.tiles_available()
+    assert (down.tiles is not None) == cpu_kernels.available()
+    assert down.amx == (down.tiles is not None and cpu_kernels.tiles_available())
     assert down.weight.numel() == 0
     assert target.model.lm_head.weight.numel() > 0            # tied to the embeddings, or shared
     assert target.model.embed_tokens.weight.numel() > 0

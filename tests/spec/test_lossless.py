@@ -6,7 +6,6 @@ from collections import Counter
 import pytest
 
 from dspark import LLM, SamplingParams
-from dspark.models.layers import cpu_kernels
 from tiny import greedy_workload, run_staggered, save_random_drafter, save_tiny
 
 VOCAB = 32
@@ -153,8 +152,7 @@ def test_greedy_rows_stay_exact_beside_sampled_rows(tmp_path_factory, target_dir
     assert all(len(o.token_ids) == sp.max_tokens for o, sp in zip(outs, mixed))
 
 
-@pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs AMX and a C++ compiler")
-def test_greedy_lossless_in_bf16_through_the_fused_kernels(tmp_path_factory, target_dir):
+def test_greedy_lossless_in_bf16_through_the_fused_kernels(tmp_path_factory, target_dir, amx):
     """Invariant 1 where dspark's CPU kernels run the steps: every row's result depends on that row
     alone, so verify rows give the bits a plain decode row gives, and bf16 stays exact too."""
     d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)

@@ -1,9 +1,10 @@
-"""dspark's bf16 kernels for x86 CPUs: small projections (AMX) and short-query attention.
+"""dspark's bf16 kernels for x86 CPUs: small projections and short-query attention.
 
 At a small batch a decode step is a chain of matrix-vector products, so its speed is how fast
-the weights stream. oneDNN reads them at about half the machine's streaming bandwidth at one row
-(its blocked layout included); `tile_linear` reads them at close to that bandwidth for any count
-of rows up to 64, from a copy packed tile by tile (`pack_tiles`). Attention through torch copies
+the weights stream. oneDNN reads them at half to two thirds of the machine's streaming bandwidth
+at one row (its blocked layout included); `tile_linear` reads them at close to that bandwidth,
+from a copy packed tile by tile (`pack_tiles`): through AMX tiles for up to 64 rows where the CPU
+has them, else through AVX512-BF16 dot products for up to 16 (`tile_rows`). Attention through torch copies
 every request's pages into a padded tensor and runs small batched matmuls whose fixed costs dwarf
 the arithmetic; `paged_attention` reads the pages in place, for decode, verify and draft-block
 rows (scores through AMX tiles where the CPU has them, else AVX512-BF16 dot products).
@@ -34,9 +35,11 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "paged_attention.cpp", CSRC / "tile_attention.cpp",
-           CSRC / "decoder_layer.cpp", CSRC / "markov_head.cpp", CSRC / "argmax.cpp")   # side by side
+           CSRC / "decoder_layer.cpp", CSRC / "markov_head.cpp", CSRC / "argmax.cpp",
+           CSRC / "vector_linear.cpp")   # compiled side by side
 HEADERS = (CSRC / "cpu_kernels.h",)
-MAX_ROWS = 64                    # rows of x `tile_linear` takes; more go to oneDNN
+MAX_ROWS = 64                    # rows of x `tile_linear` takes through AMX; more go to oneDNN
+MAX_VECTOR_ROWS = 16             # ... through AVX512-BF16 dot products (oneDNN is faster past it)
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DNDEBUG"]
 
@@ -116,7 +119,7 @@ def available() -> bool:
     except (RuntimeError, OSError) as err:
         logger.warning("dspark's CPU kernels are unavailable, torch's run bf16 decode steps: %s", err)
         return False
-    torch.library.register_fake("dspark_cpu::amx_linear")(_linear_shape)
+    torch.library.register_fake("dspark_cpu::linear_bf16")(_linear_shape)
     torch.library.register_fake("dspark_cpu::paged_attention_bf16")(_attention_shape)
     torch.library.register_fake("dspark_cpu::argmax_rows_f32")(_argmax_shape)
     return True
@@ -136,7 +139,7 @@ def tiles_available() -> bool:
     return True
 
 
-def _linear_shape(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None) -> Tensor:
+def _linear_shape(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None, amx: bool) -> Tensor:
     return x.new_empty((x.shape[0], out))
 
 
@@ -155,9 +158,16 @@ def pack_tiles(weight: Tensor) -> Tensor:
     return torch.ops.dspark_cpu.amx_pack(weight.detach())
 
 
-def tile_linear(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None = None) -> Tensor:
-    """x [M, in] @ weight^T (+ bias) -> [M, out] bf16, M <= MAX_ROWS, from pack_tiles(weight)."""
-    return torch.ops.dspark_cpu.amx_linear(x, tiles, out, bias)
+def tile_linear(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None, amx: bool) -> Tensor:
+    """x [M, in] @ weight^T (+ bias) -> [M, out] bf16, M <= tile_rows(amx), from pack_tiles(weight).
+    amx: through AMX tiles (tiles_available()), else AVX512-BF16 dot products."""
+    return torch.ops.dspark_cpu.linear_bf16(x, tiles, out, bias, amx)
+
+
+def tile_rows(amx: bool) -> int:
+    """Rows of x a step's projections take from the tile copy (more go to oneDNN): up to 64 with
+    AMX; with dot products oneDNN's register blocking wins past 16 (vector_linear.cpp)."""
+    return MAX_ROWS if amx else MAX_VECTOR_ROWS
 
 
 MAX_QUERY = 16                   # a step's longest query `paged_attention` serves; longer go to SDPA
@@ -193,5 +203,5 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     return logits.argmax(-1)
 
 
-__all__ = ["MAX_GROUP", "MAX_QUERY", "MAX_ROWS", "available", "cache_dir", "cpu_flags", "greedy_tokens",
-           "pack_tiles", "paged_attention", "takes_attention", "tile_linear", "tiles_available"]
+__all__ = ["MAX_GROUP", "MAX_QUERY", "MAX_ROWS", "MAX_VECTOR_ROWS", "available", "cache_dir", "cpu_flags", "greedy_tokens",
+           "pack_tiles", "paged_attention", "takes_attention", "tile_linear", "tile_rows", "tiles_available"]

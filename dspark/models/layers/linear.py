@@ -8,11 +8,12 @@ and the results are bit-identical, because the kernel is the same and only the l
 `pack_linears` converts an inference model once after loading; training never packs, because a
 packed copy does not follow updates to the weight.
 
-Projections of up to 64 rows go faster still through dspark's AMX kernel (`cpu_kernels`; a
-chain of SmolLM2's projections at 1-16 rows streams at 16-21 GB/s against oneDNN's 7-13 GB/s,
-and at 24-64 rows at 7-16 GB/s against 4-8 GB/s,
-with a 21 GB/s plain read alongside). It reads its own tile-by-tile copy of the weight, which a
-packed projection keeps beside the oneDNN copy on CPUs with AMX.
+Projections of a few rows go faster still through dspark's kernel (`cpu_kernels`), which reads
+its own tile-by-tile copy of the weight, kept beside the oneDNN copy on CPUs with AVX512-BF16.
+With AMX it takes up to 64 rows (a chain of SmolLM2's projections at 1-16 rows streams at 16-21
+GB/s against oneDNN's 7-13 GB/s, and at 24-64 rows at 7-16 GB/s against 4-8 GB/s, with a 21 GB/s
+plain read alongside); without, its dot products take up to 16 rows (1.1-1.5x oneDNN at 1-8 rows
+on a Zen 5 CPU, 0.9-1.2x at 16, slower past it).
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ def lower_packed_linear() -> None:
 
 
 def linear(x: Tensor, weight: Tensor, packed: Tensor | None, bias: Tensor | None = None,
-           tiles: Tensor | None = None) -> Tensor:
+           tiles: Tensor | None = None, amx: bool = False) -> Tensor:
     """x [..., in] -> [..., out]: through the tile copy of `weight` (cpu_kernels.pack_tiles) when
-    there is one and x has at most cpu_kernels.MAX_ROWS rows, else through the packed copy when
-    there is one. A weight with tiles is packed too (pack_linears), which gives the out size."""
-    if tiles is not None and 0 < x.numel() <= cpu_kernels.MAX_ROWS * x.shape[-1]:
-        out = cpu_kernels.tile_linear(x.reshape(-1, x.shape[-1]), tiles, packed.shape[0], bias)
+    there is one and x has at most cpu_kernels.tile_rows(amx) rows, else through the packed copy
+    when there is one. A weight with tiles is packed too (pack_linears), which gives the out size."""
+    if tiles is not None and 0 < x.numel() <= cpu_kernels.tile_rows(amx) * x.shape[-1]:
+        out = cpu_kernels.tile_linear(x.reshape(-1, x.shape[-1]), tiles, packed.shape[0], bias, amx)
         return out.view(*x.shape[:-1], out.shape[-1])
     if packed is None:
         return F.linear(x, weight, bias)
@@ -89,9 +90,10 @@ class Linear(nn.Linear):
 
     packed: Tensor | None = None          # [out, in] in oneDNN's blocked layout, or None
     tiles: Tensor | None = None           # [out/16, in/32, 16, 16, 2] for cpu_kernels, or None
+    amx: bool = False                     # the tiles go through AMX (else AVX512-BF16 dot products)
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.packed, self.bias, self.tiles)
+        return linear(x, self.weight, self.packed, self.bias, self.tiles, self.amx)
 
     def weight_bytes(self) -> int:
         """Bytes one forward reads from the weight, whichever copy it uses."""
@@ -106,7 +108,7 @@ def can_pack(weight: Tensor) -> bool:
 
 def pack_linears(module: nn.Module, drop_dense: bool, tiles: bool = False) -> int:
     """Give every `Linear` under `module` (itself included) its packed copy, and with `tiles`
-    (cpu_kernels.tiles_available()) its tile copy for steps of up to 64 rows; returns the count.
+    (cpu_kernels.available()) its tile copy for steps of a few rows; returns the count.
 
     drop_dense releases the plain weight's storage (it keeps its dtype, shape metadata lives in
     in/out_features). Weights another module also holds (tied embeddings, a drafter sharing the
@@ -118,6 +120,7 @@ def pack_linears(module: nn.Module, drop_dense: bool, tiles: bool = False) -> in
             continue
         m.packed = pack_weight(m.weight)
         m.tiles = cpu_kernels.pack_tiles(m.weight) if tiles else None
+        m.amx = tiles and cpu_kernels.tiles_available()
         if drop_dense:
             m.weight.data = m.weight.data.new_empty(0)
         count += 1
@@ -127,7 +130,7 @@ def pack_linears(module: nn.Module, drop_dense: bool, tiles: bool = False) -> in
 def pack_for_inference(target: nn.Module, drafter: nn.Module | None) -> int:
     """Pack an engine's target and drafter. The target's LM head keeps its plain weight: it may
     be tied to the embeddings, and a drafter derives its reduced-vocabulary head from it."""
-    tiles = can_pack(target.lm_head.weight) and cpu_kernels.tiles_available()
+    tiles = can_pack(target.lm_head.weight) and cpu_kernels.available()
     count = sum(pack_linears(layer, drop_dense=True, tiles=tiles) for layer in target.layers)
     count += pack_linears(target.lm_head, drop_dense=False, tiles=tiles)
     if drafter is not None:
@@ -136,10 +139,12 @@ def pack_for_inference(target: nn.Module, drafter: nn.Module | None) -> int:
         if head is not None and head.numel() and can_pack(head):
             drafter.draft_lm_head_packed = pack_weight(head)     # its reduced-vocabulary head
             drafter.draft_lm_head_tiles = cpu_kernels.pack_tiles(head) if tiles else None
+            drafter.draft_lm_head_amx = tiles and cpu_kernels.tiles_available()
             count += 1
     if count:
         logger.info("packed %d projection weights in oneDNN's layout%s", count,
-                    f", and tile by tile for steps of up to {cpu_kernels.MAX_ROWS} rows" if tiles else "")
+                    f", and tile by tile for steps of up to {cpu_kernels.tile_rows(cpu_kernels.tiles_available())} "
+                    "rows" if tiles else "")
     return count
 
 

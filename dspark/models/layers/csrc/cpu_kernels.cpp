@@ -1,5 +1,6 @@
-// amx_linear: y [M, O] = x [M, I] @ w [O, I]^T (+ b) for M <= 64 rows, through AMX tiles (the
-// attention kernels are paged_attention.cpp and tile_attention.cpp; decoder_layer.cpp chains them).
+// linear_bf16: y [M, O] = x [M, I] @ w [O, I]^T (+ b) for M <= 64 rows, through AMX tiles, or
+// without AMX through AVX512-BF16 dot products over the same weight copy (vector_linear.cpp). The
+// attention kernels are paged_attention.cpp and tile_attention.cpp; decoder_layer.cpp chains them.
 //
 // A decode step at a small batch streams every weight once, so it runs at the speed a kernel
 // reads memory. oneDNN reaches about half of it at one row; AVX-512 dot products reach it at
@@ -95,7 +96,8 @@ constexpr ColumnFn kColumnFns[kMaxRowBlocks] = {column_tile<1>, column_tile<2>, 
 }  // namespace
 
 void linear_rows(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tensor& packed, int64_t out,
-                 const at::BFloat16* bias, at::BFloat16* y) {
+                 const at::BFloat16* bias, at::BFloat16* y, bool amx) {
+  if (!amx) return linear_rows_vector(x, rows, in, packed, out, bias, y);
   const int64_t ob = packed.size(0), kb = packed.size(1);
   const int64_t blocks = (rows + kTileRows - 1) / kTileRows;
   // The A tiles read x in place when its rows are whole tiles wide and fill every tile they
@@ -138,19 +140,19 @@ void check_linear(const at::Tensor& packed, int64_t rows, int64_t in, int64_t ou
 
 namespace {
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out,
-                      const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out,
+                       const c10::optional<at::Tensor>& bias, bool amx) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
-              "amx_linear: x of 1 to 64 bf16 rows expected, got ", x.sizes(), " ", x.scalar_type());
-  check_linear(packed, x.size(0), x.size(1), out, "amx_linear");
+              "linear_bf16: x of 1 to 64 bf16 rows expected, got ", x.sizes(), " ", x.scalar_type());
+  check_linear(packed, x.size(0), x.size(1), out, "linear_bf16");
   TORCH_CHECK(!bias.has_value() || !bias->defined() || (bias->numel() == out && bias->scalar_type() == at::kBFloat16),
-              "amx_linear: a bf16 bias of ", out, " expected");
+              "linear_bf16: a bf16 bias of ", out, " expected");
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) bc = bias->contiguous();
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), out}, x.options());
   linear_rows(xc.data_ptr<at::BFloat16>(), x.size(0), x.size(1), packed, out,
-              bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>());
+              bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), amx);
   return y;
 }
 
@@ -160,10 +162,10 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
 TORCH_LIBRARY(dspark_cpu, m) {
   m.def("amx_init() -> bool", &dspark_cpu::amx_init);                      // no tensor argument: one kernel
   m.def("amx_pack(Tensor w) -> Tensor");
-  m.def("amx_linear(Tensor x, Tensor packed, int out, Tensor? bias) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor packed, int out, Tensor? bias, bool amx) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dspark_cpu, CPU, m) {
   m.impl("amx_pack", &dspark_cpu::amx_pack);
-  m.impl("amx_linear", &dspark_cpu::amx_linear);
+  m.impl("linear_bf16", &dspark_cpu::linear_bf16);
 }

@@ -49,8 +49,11 @@ struct AttentionShape {
 };
 
 // y [rows, out] = x [rows, in] @ w^T (+ bias), rows <= 64, from amx_pack(w); check_linear first.
+// amx: through AMX tiles (needs amx_init); otherwise AVX512-BF16 dot products (linear_rows_vector).
 void linear_rows(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tensor& packed, int64_t out,
-                 const at::BFloat16* bias, at::BFloat16* y);
+                 const at::BFloat16* bias, at::BFloat16* y, bool amx);
+void linear_rows_vector(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tensor& packed, int64_t out,
+                        const at::BFloat16* bias, at::BFloat16* y);
 void check_linear(const at::Tensor& packed, int64_t rows, int64_t in, int64_t out, const char* what);
 
 // Keys beyond the paged cache: a token also attends to `count` rows (`stride` elements apart, the

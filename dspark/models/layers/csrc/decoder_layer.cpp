@@ -116,9 +116,9 @@ struct LayerShape {
 // q, k, v of every row: input norm, fused projection, optional q/k norm, rotary on q and k.
 void attention_inputs(const bf16* x, const LayerShape& s, const bf16* norm, float eps, const at::Tensor& qkv_tiles,
                       const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, const bf16* cos,
-                      const bf16* sin, std::vector<bf16>& h, std::vector<bf16>& qkv) {
+                      const bf16* sin, std::vector<bf16>& h, std::vector<bf16>& qkv, bool amx) {
   rms_norm(x, s.rows, s.hidden, norm, eps, h.data());
-  linear_rows(h.data(), s.rows, s.hidden, qkv_tiles, s.qkv_size(), qkv_bias, qkv.data());
+  linear_rows(h.data(), s.rows, s.hidden, qkv_tiles, s.qkv_size(), qkv_bias, qkv.data(), amx);
   for_rows(s.rows, [&](int64_t m) {
     bf16* q = qkv.data() + m * s.qkv_size();
     bf16* k = q + s.q_size();
@@ -148,16 +148,16 @@ void write_kv(const std::vector<bf16>& qkv, const LayerShape& s, const int64_t* 
 
 // x [rows, hidden] += down(silu(gate) * up) of the post-attention norm of x.
 void mlp(bf16* x, const LayerShape& s, const bf16* norm, float eps, const at::Tensor& gate_up_tiles,
-         const at::Tensor& down_tiles, std::vector<bf16>& h) {
+         const at::Tensor& down_tiles, std::vector<bf16>& h, bool amx) {
   const int64_t inter = s.intermediate;
   std::vector<bf16> gate_up(s.rows * 2 * inter), act(s.rows * inter);
   rms_norm(x, s.rows, s.hidden, norm, eps, h.data());
-  linear_rows(h.data(), s.rows, s.hidden, gate_up_tiles, 2 * inter, nullptr, gate_up.data());
+  linear_rows(h.data(), s.rows, s.hidden, gate_up_tiles, 2 * inter, nullptr, gate_up.data(), amx);
   for_rows(s.rows, [&](int64_t m) {
     const bf16* row = gate_up.data() + m * 2 * inter;
     silu_gate_row(row, row + inter, inter, act.data() + m * inter);
   });
-  linear_rows(act.data(), s.rows, inter, down_tiles, s.hidden, nullptr, h.data());
+  linear_rows(act.data(), s.rows, inter, down_tiles, s.hidden, nullptr, h.data(), amx);
   add_into(x, h.data(), s.rows * s.hidden);
 }
 
@@ -169,7 +169,7 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
                               const at::Tensor& down_tiles, at::Tensor k_cache, at::Tensor v_cache,
                               const at::Tensor& row_slots, const at::Tensor& block_tables,
                               const at::Tensor& token_keys, int64_t block_size, int64_t live, int64_t heads,
-                              int64_t intermediate, double eps, double scale, int64_t block_rows) {
+                              int64_t intermediate, double eps, double scale, int64_t block_rows, bool amx) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "decoder_layer_bf16: x [T, hidden] bf16 expected");
   const LayerShape s{x.size(0), x.size(1), heads, k_cache.size(1), k_cache.size(2), intermediate};
   const AttentionShape as{heads, s.kv_heads, s.dim, block_size, block_tables.size(1)};
@@ -196,7 +196,7 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
   std::vector<bf16> h(s.rows * std::max(s.hidden, s.q_size())), qkv(s.rows * s.qkv_size());
   attention_inputs(xc.data_ptr<bf16>(), s, weight_ptr(input_norm, s.hidden, "input norm"), e, qkv_tiles,
                    optional_ptr(qkv_bias, s.qkv_size(), "qkv bias"), optional_ptr(q_norm, s.dim, "q norm"),
-                   optional_ptr(k_norm, s.dim, "k norm"), cc.data_ptr<bf16>(), sc.data_ptr<bf16>(), h, qkv);
+                   optional_ptr(k_norm, s.dim, "k norm"), cc.data_ptr<bf16>(), sc.data_ptr<bf16>(), h, qkv, amx);
   if (slots.numel() > 0) write_kv(qkv, s, slots.data_ptr<int64_t>(), live, k_cache, v_cache);
 
   std::vector<bf16> q(s.rows * s.q_size()), attn(s.rows * s.q_size(), bf16(0.0f));
@@ -204,13 +204,13 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
     std::copy(qkv.data() + m * s.qkv_size(), qkv.data() + m * s.qkv_size() + s.q_size(), q.data() + m * s.q_size());
   const BlockKeys block{qkv.data() + s.q_size(), qkv.data() + s.q_size() + s.kv_size(), block_rows, s.qkv_size()};
   attend_tokens(q.data(), live, k_cache, v_cache, tables.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), as,
-                static_cast<float>(scale), attn.data(), block, /*tiles=*/true);   // padding rows (>= live) stay zero
+                static_cast<float>(scale), attn.data(), block, amx);   // padding rows (>= live) stay zero
 
   at::Tensor out = xc.clone();
   bf16* y = out.data_ptr<bf16>();
-  linear_rows(attn.data(), s.rows, s.q_size(), o_tiles, s.hidden, nullptr, h.data());
+  linear_rows(attn.data(), s.rows, s.q_size(), o_tiles, s.hidden, nullptr, h.data(), amx);
   add_into(y, h.data(), s.rows * s.hidden);
-  mlp(y, s, weight_ptr(post_norm, s.hidden, "post-attention norm"), e, gate_up_tiles, down_tiles, h);
+  mlp(y, s, weight_ptr(post_norm, s.hidden, "post-attention norm"), e, gate_up_tiles, down_tiles, h, amx);
   return out;
 }
 
@@ -219,7 +219,7 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
 // stored in its row's slot (slot -1: not stored).
 void context_kv_bf16(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_tiles,
                      const c10::optional<at::Tensor>& k_norm, at::Tensor k_cache, at::Tensor v_cache,
-                     const at::Tensor& row_slots, double eps) {
+                     const at::Tensor& row_slots, double eps, bool amx) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16, "context_kv_bf16: h [T, d] bf16 expected");
   const int64_t rows = h.size(0), kv_heads = k_cache.size(1), dim = k_cache.size(2), kv_size = kv_heads * dim;
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
@@ -232,7 +232,7 @@ void context_kv_bf16(const at::Tensor& h, const at::Tensor& cos, const at::Tenso
   const bf16* norm = optional_ptr(k_norm, dim, "k norm");
   const at::Tensor hc = h.contiguous(), cc = cos.contiguous(), sc = sin.contiguous(), slots = row_slots.contiguous();
   std::vector<bf16> kv(rows * 2 * kv_size);
-  linear_rows(hc.data_ptr<bf16>(), rows, h.size(1), kv_tiles, 2 * kv_size, nullptr, kv.data());
+  linear_rows(hc.data_ptr<bf16>(), rows, h.size(1), kv_tiles, 2 * kv_size, nullptr, kv.data(), amx);
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t slot = slots.data_ptr<int64_t>()[m];
     if (slot < 0) continue;
@@ -250,9 +250,9 @@ TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
   m.def("decoder_layer_bf16(Tensor x, Tensor cos, Tensor sin, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, "
         "Tensor? q_norm, Tensor? k_norm, Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor row_slots, Tensor block_tables, Tensor token_keys, "
-        "int block_size, int live, int heads, int intermediate, float eps, float scale, int block_rows=0) -> Tensor");
+        "int block_size, int live, int heads, int intermediate, float eps, float scale, int block_rows, bool amx) -> Tensor");
   m.def("context_kv_bf16(Tensor h, Tensor cos, Tensor sin, Tensor kv, Tensor? k_norm, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor row_slots, float eps) -> ()");
+        "Tensor(b!) v_cache, Tensor row_slots, float eps, bool amx) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dspark_cpu, CPU, m) {

@@ -4,8 +4,8 @@
 // token to the next, so the head is a loop of γ tiny steps (an embedding row, a rank-r
 // projection to the draft vocabulary, an add, an argmax, the confidence projection): some
 // eighty torch operators a round whose arithmetic is a few hundred microseconds. The projection
-// and the confidence projection are the AMX kernel the module path uses, so they have the same
-// bits; the argmax keeps the first maximum, as torch's does.
+// and the confidence projection are the projection kernel the module path uses (AMX or AVX512-BF16,
+// as `amx` says), so they have the same bits; the argmax keeps the first maximum, as torch's does.
 #include "cpu_kernels.h"
 
 #include <torch/library.h>
@@ -23,7 +23,8 @@ std::tuple<at::Tensor, at::Tensor> markov_greedy_bf16(const at::Tensor& base, co
                                                       const at::Tensor& w2_tiles,
                                                       const c10::optional<at::Tensor>& conf_tiles,
                                                       const c10::optional<at::Tensor>& conf_bias,
-                                                      const c10::optional<at::Tensor>& draft_to_target) {
+                                                      const c10::optional<at::Tensor>& draft_to_target,
+                                                      bool amx) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat && h.dim() == 3 && h.scalar_type() == at::kBFloat16 &&
               h.size(0) == base.size(0) && h.size(1) == base.size(1),
               "markov_greedy_bf16: fp32 base logits [R, γ, V] and bf16 hidden [R, γ, d] expected");
@@ -51,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> markov_greedy_bf16(const at::Tensor& base, co
       TORCH_CHECK(prev[m] >= 0 && prev[m] < w1c.size(0), "markov_greedy_bf16: token ", prev[m], " is outside W1");
       std::copy(w1c.data_ptr<bf16>() + prev[m] * rank, w1c.data_ptr<bf16>() + (prev[m] + 1) * rank, e.data() + m * rank);
     }
-    linear_rows(e.data(), rows, rank, w2_tiles, vocab, nullptr, bias.data());
+    linear_rows(e.data(), rows, rank, w2_tiles, vocab, nullptr, bias.data(), amx);
     for (int64_t m = 0; m < rows; ++m) {
       const float* u = bc.data_ptr<float>() + (m * gamma + k) * vocab;
       const bf16* b = bias.data() + m * vocab;
@@ -70,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> markov_greedy_bf16(const at::Tensor& base, co
       tok[m * gamma + k] = prev[m];
     }
     if (conf) {
-      linear_rows(feats.data(), rows, d + rank, *conf_tiles, 1, conf_bias->data_ptr<bf16>(), z.data());
+      linear_rows(feats.data(), rows, d + rank, *conf_tiles, 1, conf_bias->data_ptr<bf16>(), z.data(), amx);
       for (int64_t m = 0; m < rows; ++m) conf_logits.data_ptr<float>()[m * gamma + k] = static_cast<float>(z[m]);
     }
   }
@@ -82,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> markov_greedy_bf16(const at::Tensor& base, co
 
 TORCH_LIBRARY_FRAGMENT(dspark_cpu, m) {
   m.def("markov_greedy_bf16(Tensor base, Tensor h, Tensor anchors, Tensor w1, Tensor w2, Tensor? conf, "
-        "Tensor? conf_bias, Tensor? draft_to_target) -> (Tensor, Tensor)");
+        "Tensor? conf_bias, Tensor? draft_to_target, bool amx) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dspark_cpu, CPU, m) { m.impl("markov_greedy_bf16", &dspark_cpu::markov_greedy_bf16); }
