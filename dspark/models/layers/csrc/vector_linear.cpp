@@ -30,19 +30,23 @@ constexpr int kMaxChunk = 8;             // rows whose sums stay in registers
 // column tile, into c (NR x 16 fp32).
 template <int NR>
 void column_rows(const uint32_t* x, int64_t stride, const uint32_t* tiles, int64_t kb, float* c) {
-  __m512 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 even[NR], odd[NR];              // two sums per row: the chain of one would wait on each add
+  for (int r = 0; r < NR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kb; ++k) {
     const uint32_t* t = tiles + k * kTileWords;
     const char* ahead = reinterpret_cast<const char*>(t + 4 * kTileWords);
     for (int64_t line = 0; line < kTileWords * 4; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    for (int64_t p = 0; p < kPairs; ++p) {
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(t + p * kColumns);
-      for (int r = 0; r < NR; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x[r * stride + k * kPairs + p]), w);
+    for (int64_t p = 0; p < kPairs; p += 2) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t + p * kColumns);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(t + (p + 1) * kColumns);
+      for (int r = 0; r < NR; ++r) {
+        const uint32_t* xr = x + r * stride + k * kPairs + p;
+        even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_set1_epi32(xr[0]), w0);
+        odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_set1_epi32(xr[1]), w1);
+      }
     }
   }
-  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(c + r * kColumns, acc[r]);
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(c + r * kColumns, _mm512_add_ps(even[r], odd[r]));
 }
 
 using RowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*);
