@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "paged_attention.cpp", CSRC / "tile_attention.cpp",
            CSRC / "decoder_layer.cpp", CSRC / "markov_head.cpp", CSRC / "argmax.cpp",
-           CSRC / "vector_linear.cpp")   # compiled side by side
+           CSRC / "vector_linear.cpp", CSRC / "vector_attention.cpp")   # compiled side by side
 HEADERS = (CSRC / "cpu_kernels.h",)
 MAX_ROWS = 64                    # rows of x `tile_linear` takes through AMX; more go to oneDNN
 MAX_VECTOR_ROWS = 16             # ... through AVX512-BF16 dot products (oneDNN is faster past it)

@@ -89,8 +89,19 @@ inline void for_each_key(const uint16_t* cache, const uint16_t* extra_rows, cons
   for (int64_t j = 0; j < extra.count; ++j) fn(end - begin + j, extra_rows + j * extra.stride + kvh * s.dim);
 }
 
-// The tile path of attend_tokens: tokens [first, first + count) of one request with the same
-// first key (and draft block), at most kTileQueryRows query rows (count x G), over K/V head kvh.
+// A thread's working memory for the attention of a group, reused from group to group.
+struct RowScratch {
+  std::vector<float> scores;
+  std::vector<const uint16_t*> keys, values;
+};
+
+// attend_tokens for tokens [first, first + count) of one request with the same first key (and
+// draft block), at most kTileQueryRows query rows (count x G), over K/V head kvh: the vector path.
+void attend_rows_vector(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
+                        const int64_t* keys, int64_t first, int64_t count, const AttentionShape& s,
+                        const ExtraKeys& extra, int64_t kvh, float scale, RowScratch& scratch, at::BFloat16* out);
+
+// The same through AMX tiles (needs amx_init).
 void attend_rows_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
                        const int64_t* keys, int64_t first, int64_t count, const AttentionShape& s,
                        const ExtraKeys& extra, int64_t kvh, float scale, std::vector<float>& scores,
@@ -99,7 +110,7 @@ void attend_rows_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* vc
 // out [T, H, D] = each token's query heads over its request's keys, read in place through the
 // block tables [R, NB]; keys [T, 3] = (request, first key, end key), checked by check_token_keys;
 // then over its block's keys (a drafter's block pass). tiles: scores through AMX (attend_rows_tiles),
-// which needs amx_init; otherwise AVX512-BF16 dot products.
+// which needs amx_init; otherwise AVX512-BF16 dot products (attend_rows_vector).
 void attend_tokens(const at::BFloat16* q, int64_t tokens, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const int64_t* tables, const int64_t* keys, const AttentionShape& s, float scale,
                    at::BFloat16* out, const BlockKeys& block = {}, bool tiles = false);

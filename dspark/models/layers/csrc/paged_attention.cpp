@@ -4,10 +4,10 @@
 // torch's path gathers each request's pages into a padded copy, makes the keys contiguous and
 // runs small batched matmuls or the SDPA kernel; for a handful of query rows those copies and
 // calls cost several times the arithmetic. Here the keys and values are read in place through
-// the block table. On a CPU with AMX the scores go through tiles (tile_attention.cpp), the query
-// rows of a request's consecutive tokens sharing each key read; elsewhere each (token, K/V head)
-// scores its keys by VDPBF16PS dot products, then an fp32 softmax and the weighted values
-// summed in fp32.
+// the block table, the query rows of a request's consecutive tokens sharing each key read:
+// scores through AMX tiles where the CPU has them (tile_attention.cpp), else by VDPBF16PS against
+// keys transposed 16 at a time (vector_attention.cpp); then an fp32 softmax and the weighted
+// values summed in fp32.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -20,70 +20,8 @@
 namespace dspark_cpu {
 namespace {
 
-inline __mmask32 tail32(int64_t left) { return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1; }
-
-// The G query heads of token `t` that share K/V head `kvh`, over keys [begin, end) of the
-// request whose block table is `table` (and the extra keys). The weighted values are summed 16
-// dimensions at a time with the G sums in registers.
-template <int G>
-void attend_group(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
-                  int64_t begin, int64_t end, const AttentionShape& s, const ExtraKeys& extra, int64_t t,
-                  int64_t kvh, float scale, std::vector<float>& scores, at::BFloat16* out) {
-  const int64_t d = s.dim, len = end - begin + extra.count;
-  const auto* extra_k = reinterpret_cast<const uint16_t*>(extra.k);
-  const auto* extra_v = reinterpret_cast<const uint16_t*>(extra.v);
-  const uint16_t* qt = q + (t * s.heads + kvh * G) * d;
-  scores.resize(G * len);
-  float top[G], total[G];
-  for (int g = 0; g < G; ++g) top[g] = -INFINITY;
-  for_each_key(kc, extra_k, table, begin, end, s, extra, kvh, [&](int64_t l, const uint16_t* k) {
-    for (int g = 0; g < G; ++g) {
-      __m512 dot = _mm512_setzero_ps();
-      for (int64_t i = 0; i < d; i += 32) {
-        const __mmask32 m = tail32(d - i);
-        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_maskz_loadu_epi16(m, k + i),
-                               (__m512bh)_mm512_maskz_loadu_epi16(m, qt + g * d + i));
-      }
-      const float sc = _mm512_reduce_add_ps(dot) * scale;
-      scores[g * len + l] = sc;
-      top[g] = std::max(top[g], sc);
-    }
-  });
-  for (int g = 0; g < G; ++g) {
-    float* row = scores.data() + g * len;
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t l = 0; l < len; l += 16) {
-      const __mmask16 m = lanes(len - l);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + l),
-                                                                            _mm512_set1_ps(top[g]))));
-      _mm512_mask_storeu_ps(row + l, m, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    total[g] = _mm512_reduce_add_ps(sum);                  // the softmax denominator
-  }
-  for (int64_t i = 0; i < d; i += 16) {
-    const __mmask16 m = lanes(d - i);
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for_each_key(vc, extra_v, table, begin, end, s, extra, kvh, [&](int64_t l, const uint16_t* v) {
-      const __m512 vv = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, v + i));
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + l]), vv, acc[g]);
-    });
-    for (int g = 0; g < G; ++g) {
-      const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
-      store16(out + (t * s.heads + kvh * G + g) * d + i, _mm512_mul_ps(acc[g], _mm512_set1_ps(inv)), m);
-    }
-  }
-}
-
-using GroupFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
-                         const AttentionShape&, const ExtraKeys&, int64_t, int64_t, float, std::vector<float>&,
-                         at::BFloat16*);
-constexpr GroupFn kGroupFns[kMaxGroup] = {attend_group<1>, attend_group<2>, attend_group<3>, attend_group<4>,
-                                          attend_group<5>, attend_group<6>, attend_group<7>, attend_group<8>};
-
 // Consecutive tokens of one request with the same first key (and, in a draft block pass, the
-// same block), at most `cap` of them: on the tile path their query rows share every key read.
+// same block), at most `cap` of them: their query rows share every key read.
 struct TokenGroup {
   int64_t first, count;
 };
@@ -121,10 +59,10 @@ void attend_tokens(const at::BFloat16* q, int64_t tokens, const at::Tensor& k_ca
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   const int64_t G = s.heads / s.kv_heads;
-  const std::vector<TokenGroup> groups = token_groups(keys, tokens, tiles ? kTileQueryRows / G : 1, block.rows);
+  const std::vector<TokenGroup> groups = token_groups(keys, tokens, kTileQueryRows / G, block.rows);
   const int64_t n = static_cast<int64_t>(groups.size());
   at::parallel_for(0, n * s.kv_heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
+    RowScratch scratch;
     for (int64_t i = i0; i < i1; ++i) {
       const TokenGroup& g = groups[i / s.kv_heads];
       const int64_t kvh = i % s.kv_heads, t = g.first;
@@ -135,9 +73,9 @@ void attend_tokens(const at::BFloat16* q, int64_t tokens, const at::Tensor& k_ca
       }
       const int64_t* table = tables + keys[3 * t] * s.blocks_per_req;
       if (tiles)
-        attend_rows_tiles(qp, kp, vp, table, keys, t, g.count, s, extra, kvh, scale, scores, out);
+        attend_rows_tiles(qp, kp, vp, table, keys, t, g.count, s, extra, kvh, scale, scratch.scores, out);
       else
-        kGroupFns[G - 1](qp, kp, vp, table, keys[3 * t + 1], keys[3 * t + 2], s, extra, t, kvh, scale, scores, out);
+        attend_rows_vector(qp, kp, vp, table, keys, t, g.count, s, extra, kvh, scale, scratch, out);
     }
   });
 }
