@@ -7,7 +7,7 @@ per layer, a few microseconds of dispatch each, and torch.compile trades them fo
 and a wrapper call per compiled piece. `cpu_kernels`' decoder_layer_bf16 runs a whole layer
 (norms, projections, rotary, K/V write, paged attention, SiLU gate) in one call, rounding to
 bf16 where the modules round. `CausalLM.run_stack` hands it every step it can take: at most
-`cpu_kernels.tile_rows` rows (bucket padding included), attention by the in-place kernel, one
+`cpu_kernels.MAX_ROWS` rows (bucket padding included), attention by the in-place kernel, one
 attention group. The graph backends still own the larger steps.
 """
 
@@ -105,7 +105,9 @@ class _Fused:
         self.heads, self.intermediate = cfg.num_heads, cfg.intermediate_size
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
         self.amx = amx                                  # projections and scores through AMX tiles
-        self.max_rows = cpu_kernels.tile_rows(amx)      # rows a call takes
+        # rows a call takes: a layer's projections keep up with oneDNN's to 64 rows either way
+        # (a lone wide projection, the LM head, does not without AMX: cpu_kernels.tile_rows)
+        self.max_rows = cpu_kernels.MAX_ROWS
 
     def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                    slots: Tensor, block_tables: Tensor, keys: Tensor, block_size: int, live: int,

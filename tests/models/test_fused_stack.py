@@ -10,7 +10,6 @@ from dspark.models.layers import cpu_kernels
 from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.worker.inputs import RequestChunk, build_inputs
-from conftest import PATH_MARKS
 from tiny import save_tiny
 
 BF16 = torch.bfloat16
@@ -64,14 +63,10 @@ STEPS = {
     # 16 rows: two chunks of 8 rows in every vector projection
     "full_verify": [RequestChunk([7 + i, 8, 2, 11, 30, 6, 1, 3], i, [8 + 3 * i, 9 + 3 * i, 10 + 3 * i], 8)
                     for i in range(2)],
-    # 30 rows: two blocks of 16 rows in every AMX projection (past the vector path's 16)
+    # 30 rows: two blocks of 16 rows in every AMX projection, two column tiles at a time without
     "wide_verify": [RequestChunk([7 + i, 8, 2, 11, 30], i, [8 + 3 * i, 9 + 3 * i, 10 + 3 * i], 5) for i in range(6)],
 }
-CASES = [pytest.param(amx, step, marks=PATH_MARKS[amx], id=f"{'amx' if amx else 'vector'}-{step}")
-         for amx in (False, True) for step in sorted(STEPS) if amx or step != "wide_verify"]
-
-
-@pytest.mark.parametrize("amx,step", CASES, indirect=["amx"])
+@pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("pad", [False, True])
 def test_fused_layers_agree_with_the_modules_and_write_the_same_kv(tmp_path, amx, family, step, pad):
@@ -117,7 +112,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_padded_bucket(tmp_path, amx):
 def test_steps_the_fused_layers_do_not_take(tmp_path, amx):
     model = _target(tmp_path, "llama")
     fused = model.fused_stack
-    assert fused.max_rows == (cpu_kernels.MAX_ROWS if amx else cpu_kernels.MAX_VECTOR_ROWS)
+    assert fused.max_rows == cpu_kernels.MAX_ROWS
     _, _, meta, _ = _step([RequestChunk(list(range(17)), 0, [0, 1, 2, 3, 4], 1)])
     assert not fused.takes(17, meta)                                    # a longer query than it serves
     _, _, meta, _ = _step(STEPS["decode"])

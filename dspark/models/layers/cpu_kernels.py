@@ -39,7 +39,7 @@ SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "paged_attention.cpp", CSRC / "tile_
            CSRC / "vector_linear.cpp", CSRC / "vector_attention.cpp")   # compiled side by side
 HEADERS = (CSRC / "cpu_kernels.h",)
 MAX_ROWS = 64                    # rows of x `tile_linear` takes through AMX; more go to oneDNN
-MAX_VECTOR_ROWS = 16             # ... through AVX512-BF16 dot products (oneDNN is faster past it)
+MAX_VECTOR_ROWS = 16             # ... a lone one through AVX512-BF16 dot products (tile_rows)
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DNDEBUG"]
 
@@ -165,8 +165,9 @@ def tile_linear(x: Tensor, tiles: Tensor, out: int, bias: Tensor | None, amx: bo
 
 
 def tile_rows(amx: bool) -> int:
-    """Rows of x a step's projections take from the tile copy (more go to oneDNN): up to 64 with
-    AMX; with dot products oneDNN's register blocking wins past 16 (vector_linear.cpp)."""
+    """Rows of x a lone projection (`linear`) takes from the tile copy, more going to oneDNN: up
+    to 64 with AMX; with dot products, 16, past which oneDNN wins on the wide LM heads (a fused
+    layer's own projections keep up with it to 64 rows either way: fused_stack.py)."""
     return MAX_ROWS if amx else MAX_VECTOR_ROWS
 
 

@@ -6,10 +6,11 @@
 // (x[2k], x[2k+1]) broadcast to every lane. So each 64-byte weight load feeds one dot-product
 // instruction per row of x and no horizontal sum is ever needed: at one row the loop streams
 // the weight at the machine's read speed (oneDNN reaches about two thirds of it), and up to eight
-// rows share each load before the arithmetic, not the memory, sets the pace. More rows go eight
-// at a time over a column tile that is then in cache. A row's sum runs over the input columns
-// in one fixed order whatever the other rows are, so a row gives the same bits alone or in a
-// verify block.
+// rows share each load before the arithmetic, not the memory, sets the pace. More rows go six at
+// a time over two column tiles (each broadcast of x feeds both), which keeps a layer's
+// projections level with oneDNN up to 64 rows. A row's sum runs over the input columns in one
+// fixed order whatever the other rows are, so a row gives the same bits alone or in a verify
+// block.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -53,6 +54,69 @@ using RowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, floa
 constexpr RowsFn kRowsFns[kMaxChunk] = {column_rows<1>, column_rows<2>, column_rows<3>, column_rows<4>,
                                         column_rows<5>, column_rows<6>, column_rows<7>, column_rows<8>};
 
+constexpr int kWideChunk = 6;            // rows of column_pair_rows: 4 sums each in registers
+
+// column_rows for two column tiles at once (ta, tb): each broadcast pair of x feeds both, so a
+// step of many rows loads a third fewer operands per instruction. Each output sums its pairs in
+// the same order as column_rows (even and odd pairs apart), so the bits are the same.
+template <int NR>
+void column_pair_rows(const uint32_t* x, int64_t stride, const uint32_t* ta, const uint32_t* tb, int64_t kb,
+                      float* ca, float* cb) {
+  __m512 ea[NR], oa[NR], eb[NR], ob[NR];
+  for (int r = 0; r < NR; ++r) ea[r] = oa[r] = eb[r] = ob[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kb; ++k) {
+    const uint32_t *a = ta + k * kTileWords, *b = tb + k * kTileWords;
+    for (int64_t line = 0; line < kTileWords * 4; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(a + 4 * kTileWords) + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * kTileWords) + line, _MM_HINT_T0);
+    }
+    for (int64_t p = 0; p < kPairs; p += 2) {
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(a + p * kColumns);
+      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(a + (p + 1) * kColumns);
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * kColumns);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + (p + 1) * kColumns);
+      for (int r = 0; r < NR; ++r) {
+        const uint32_t* xr = x + r * stride + k * kPairs + p;
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(xr[0]), x1 = (__m512bh)_mm512_set1_epi32(xr[1]);
+        ea[r] = _mm512_dpbf16_ps(ea[r], x0, a0);
+        oa[r] = _mm512_dpbf16_ps(oa[r], x1, a1);
+        eb[r] = _mm512_dpbf16_ps(eb[r], x0, b0);
+        ob[r] = _mm512_dpbf16_ps(ob[r], x1, b1);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm512_storeu_ps(ca + r * kColumns, _mm512_add_ps(ea[r], oa[r]));
+    _mm512_storeu_ps(cb + r * kColumns, _mm512_add_ps(eb[r], ob[r]));
+  }
+}
+
+using PairRowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t, float*, float*);
+constexpr PairRowsFn kPairRowsFns[kWideChunk] = {column_pair_rows<1>, column_pair_rows<2>, column_pair_rows<3>,
+                                                 column_pair_rows<4>, column_pair_rows<5>, column_pair_rows<6>};
+
+// Outputs [o, o + 16 * n) (n = 1 or 2 column tiles) for rows [0, rows) of xs.
+void columns(const uint32_t* xs, int64_t rows, int64_t width, const uint32_t* wp, int64_t kb, int64_t o, int n,
+             int64_t out, const at::BFloat16* bias, at::BFloat16* y) {
+  alignas(64) float c[2][kMaxChunk * kColumns];
+  const int64_t chunk = n == 2 ? kWideChunk : kMaxChunk;
+  for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+    const int64_t m = std::min<int64_t>(chunk, rows - m0);
+    const uint32_t* t = wp + o * kb * kTileWords;
+    if (n == 2)
+      kPairRowsFns[m - 1](xs + m0 * width, width, t, t + kb * kTileWords, kb, c[0], c[1]);
+    else
+      kRowsFns[m - 1](xs + m0 * width, width, t, kb, c[0]);
+    for (int j = 0; j < n; ++j) {
+      const int64_t col = (o + j) * kColumns;
+      const __mmask16 cols = lanes(out - col);
+      const __m512 b = bias ? load16(bias + col, cols) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < m; ++r)
+        store16(y + (m0 + r) * out + col, _mm512_add_ps(_mm512_load_ps(c[j] + r * kColumns), b), cols);
+    }
+  }
+}
+
 }  // namespace
 
 void linear_rows_vector(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tensor& packed, int64_t out,
@@ -68,17 +132,13 @@ void linear_rows_vector(const at::BFloat16* x, int64_t rows, int64_t in, const a
     xs = xpad.data();
   }
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  // A few rows stream one column tile at a time; more rows take two at a time (same bits).
+  const bool wide = rows > kMaxChunk;
   at::parallel_for(0, ob, 4, [&](int64_t o0, int64_t o1) {
-    alignas(64) float c[kMaxChunk * kColumns];
-    for (int64_t o = o0; o < o1; ++o) {
-      const __mmask16 cols = lanes(out - o * kColumns);
-      const __m512 b = bias ? load16(bias + o * kColumns, cols) : _mm512_setzero_ps();
-      for (int64_t m0 = 0; m0 < rows; m0 += kMaxChunk) {
-        const int64_t n = std::min<int64_t>(kMaxChunk, rows - m0);
-        kRowsFns[n - 1](xs + m0 * width, width, wp + o * kb * kTileWords, kb, c);
-        for (int64_t r = 0; r < n; ++r)
-          store16(y + (m0 + r) * out + o * kColumns, _mm512_add_ps(_mm512_load_ps(c + r * kColumns), b), cols);
-      }
+    for (int64_t o = o0; o < o1;) {
+      const int n = wide && o + 1 < o1 ? 2 : 1;
+      columns(xs, rows, width, wp, kb, o, n, out, bias, y);
+      o += n;
     }
   });
 }
