@@ -8,11 +8,11 @@ from torch.profiler import ProfilerActivity, profile
 from dspark.models.layers import cpu_kernels
 from dspark.models.layers.linear import Linear, linear, pack_for_inference, pack_linears
 from dspark.models.loader import load_target
-from conftest import PATH_MARKS
+from conftest import KERNEL_PATHS, PATH_MARKS
 from tiny import save_tiny
 
 BF16 = torch.bfloat16
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX512-BF16 and a C++ compiler")
+needs_kernels = PATH_MARKS[False]
 
 
 def _reference(x, w, b):
@@ -145,11 +145,8 @@ def _attention_reference(q, k_cache, v_cache, tables, token_keys, block_size, sc
     return torch.stack(out)
 
 
-PATHS = [pytest.param(False, id="vector"), pytest.param(True, id="tiles", marks=PATH_MARKS[True])]
-
-
 @needs_kernels
-@pytest.mark.parametrize("tiles", PATHS)
+@pytest.mark.parametrize("tiles", KERNEL_PATHS)
 @pytest.mark.parametrize("r,heads,kv_heads,d,block_size,kv_len", [
     (1, 9, 3, 64, 16, 100), (4, 8, 2, 80, 4, 37), (3, 4, 4, 16, 8, 5), (2, 6, 1, 128, 16, 300)])
 def test_paged_attention_matches_an_fp32_reference(r, heads, kv_heads, d, block_size, kv_len, tiles):
@@ -171,7 +168,7 @@ def test_paged_attention_matches_an_fp32_reference(r, heads, kv_heads, d, block_
 
 
 @needs_kernels
-@pytest.mark.parametrize("tiles", PATHS)
+@pytest.mark.parametrize("tiles", KERNEL_PATHS)
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_a_token_attends_with_the_same_bits_alone_and_in_a_verify_block(block_size, tiles):
     """Greedy DSpark equals plain decoding only if a verify row computes what the decode row

@@ -13,7 +13,8 @@ its own tile-by-tile copy of the weight, kept beside the oneDNN copy on CPUs wit
 With AMX it takes up to 64 rows (a chain of SmolLM2's projections at 1-16 rows streams at 16-21
 GB/s against oneDNN's 7-13 GB/s, and at 24-64 rows at 7-16 GB/s against 4-8 GB/s, with a 21 GB/s
 plain read alongside); without, its dot products take up to 16 rows (1.1-1.5x oneDNN at 1-8 rows
-on a Zen 5 CPU, 0.9-1.2x at 16, slower past it).
+on a Zen 5 CPU, 0.9-1.2x at 16, slower past it on the wide LM heads; a fused layer's own
+projections take up to 64, fused_stack.py).
 """
 
 from __future__ import annotations
@@ -114,13 +115,13 @@ def pack_linears(module: nn.Module, drop_dense: bool, tiles: bool = False) -> in
     in/out_features). Weights another module also holds (tied embeddings, a drafter sharing the
     LM head) must keep theirs: pass False.
     """
-    count = 0
+    count, amx = 0, tiles and cpu_kernels.tiles_available()
     for m in module.modules():
         if not isinstance(m, Linear) or m.packed is not None or not can_pack(m.weight):
             continue
         m.packed = pack_weight(m.weight)
         m.tiles = cpu_kernels.pack_tiles(m.weight) if tiles else None
-        m.amx = tiles and cpu_kernels.tiles_available()
+        m.amx = amx
         if drop_dense:
             m.weight.data = m.weight.data.new_empty(0)
         count += 1
@@ -131,6 +132,7 @@ def pack_for_inference(target: nn.Module, drafter: nn.Module | None) -> int:
     """Pack an engine's target and drafter. The target's LM head keeps its plain weight: it may
     be tied to the embeddings, and a drafter derives its reduced-vocabulary head from it."""
     tiles = can_pack(target.lm_head.weight) and cpu_kernels.available()
+    amx = tiles and cpu_kernels.tiles_available()
     count = sum(pack_linears(layer, drop_dense=True, tiles=tiles) for layer in target.layers)
     count += pack_linears(target.lm_head, drop_dense=False, tiles=tiles)
     if drafter is not None:
@@ -139,12 +141,11 @@ def pack_for_inference(target: nn.Module, drafter: nn.Module | None) -> int:
         if head is not None and head.numel() and can_pack(head):
             drafter.draft_lm_head_packed = pack_weight(head)     # its reduced-vocabulary head
             drafter.draft_lm_head_tiles = cpu_kernels.pack_tiles(head) if tiles else None
-            drafter.draft_lm_head_amx = tiles and cpu_kernels.tiles_available()
+            drafter.draft_lm_head_amx = amx
             count += 1
     if count:
         logger.info("packed %d projection weights in oneDNN's layout%s", count,
-                    f", and tile by tile for steps of up to {cpu_kernels.tile_rows(cpu_kernels.tiles_available())} "
-                    "rows" if tiles else "")
+                    f", and tile by tile for steps of up to {cpu_kernels.tile_rows(amx)} rows" if tiles else "")
     return count
 
 
