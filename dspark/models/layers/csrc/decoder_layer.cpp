@@ -26,10 +26,14 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-// Runs fn(m) for rows [0, rows), on the thread pool when there are enough rows to pay for it.
+// Runs fn(m) for rows [0, rows) of `width` values each, on the thread pool only when there is
+// enough work to pay for waking it: a parallel region costs microseconds of fork and join, more
+// than normalising or gating a verify block's eight rows takes on one core.
+constexpr int64_t kParallelValues = 1 << 16;
+
 template <typename Fn>
-void for_rows(int64_t rows, Fn fn) {
-  if (rows < 4) {
+void for_rows(int64_t rows, int64_t width, Fn fn) {
+  if (rows < 2 || rows * width < kParallelValues) {
     for (int64_t m = 0; m < rows; ++m) fn(m);
     return;
   }
@@ -54,7 +58,7 @@ void rms_norm_row(const bf16* x, int64_t dim, const bf16* w, float eps, bf16* o)
 }
 
 void rms_norm(const bf16* x, int64_t rows, int64_t dim, const bf16* w, float eps, bf16* out) {
-  for_rows(rows, [&](int64_t m) { rms_norm_row(x + m * dim, dim, w, eps, out + m * dim); });
+  for_rows(rows, dim, [&](int64_t m) { rms_norm_row(x + m * dim, dim, w, eps, out + m * dim); });
 }
 
 // Rotate-half rotary embedding of `heads` [D] vectors in place: x * cos + rotate(x) * sin, each
@@ -106,6 +110,23 @@ const bf16* weight_ptr(const at::Tensor& t, int64_t numel, const char* what) {
   return optional_ptr(c10::optional<at::Tensor>(t), numel, what);
 }
 
+// A layer's intermediates, kept per thread from call to call: a step runs the same layer shape
+// thirty times, and fresh zeroed buffers each time cost more than a verify block's norms.
+// Buffers only grow; what a call reads it has written first.
+struct LayerScratch {
+  std::vector<bf16> h, qkv, q, attn, gate_up, act;
+
+  static bf16* take(std::vector<bf16>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+  }
+};
+
+LayerScratch& layer_scratch() {
+  thread_local LayerScratch scratch;
+  return scratch;
+}
+
 struct LayerShape {
   int64_t rows, hidden, heads, kv_heads, dim, intermediate;
   int64_t q_size() const { return heads * dim; }
@@ -116,11 +137,11 @@ struct LayerShape {
 // q, k, v of every row: input norm, fused projection, optional q/k norm, rotary on q and k.
 void attention_inputs(const bf16* x, const LayerShape& s, const bf16* norm, float eps, const at::Tensor& qkv_tiles,
                       const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, const bf16* cos,
-                      const bf16* sin, std::vector<bf16>& h, std::vector<bf16>& qkv, bool amx) {
-  rms_norm(x, s.rows, s.hidden, norm, eps, h.data());
-  linear_rows(h.data(), s.rows, s.hidden, qkv_tiles, s.qkv_size(), qkv_bias, qkv.data(), amx);
-  for_rows(s.rows, [&](int64_t m) {
-    bf16* q = qkv.data() + m * s.qkv_size();
+                      const bf16* sin, bf16* h, bf16* qkv, bool amx) {
+  rms_norm(x, s.rows, s.hidden, norm, eps, h);
+  linear_rows(h, s.rows, s.hidden, qkv_tiles, s.qkv_size(), qkv_bias, qkv, amx);
+  for_rows(s.rows, s.qkv_size(), [&](int64_t m) {
+    bf16* q = qkv + m * s.qkv_size();
     bf16* k = q + s.q_size();
     for (int64_t h = 0; q_norm && h < s.heads; ++h) rms_norm_row(q + h * s.dim, s.dim, q_norm, eps, q + h * s.dim);
     for (int64_t h = 0; k_norm && h < s.kv_heads; ++h) rms_norm_row(k + h * s.dim, s.dim, k_norm, eps, k + h * s.dim);
@@ -138,27 +159,28 @@ void store_kv(const bf16* kv, int64_t kv_size, int64_t slot, at::Tensor& k_cache
 }
 
 // The live rows' K/V go to their cache slots (slot -1: not stored).
-void write_kv(const std::vector<bf16>& qkv, const LayerShape& s, const int64_t* slots, int64_t live,
+void write_kv(const bf16* qkv, const LayerShape& s, const int64_t* slots, int64_t live,
               at::Tensor& k_cache, at::Tensor& v_cache) {
   for (int64_t m = 0; m < live; ++m)
     if (slots[m] >= 0)
-      store_kv(qkv.data() + m * s.qkv_size() + s.q_size(), s.kv_size(), slots[m], k_cache, v_cache,
+      store_kv(qkv + m * s.qkv_size() + s.q_size(), s.kv_size(), slots[m], k_cache, v_cache,
                "decoder_layer_bf16");
 }
 
 // x [rows, hidden] += down(silu(gate) * up) of the post-attention norm of x.
 void mlp(bf16* x, const LayerShape& s, const bf16* norm, float eps, const at::Tensor& gate_up_tiles,
-         const at::Tensor& down_tiles, std::vector<bf16>& h, bool amx) {
+         const at::Tensor& down_tiles, bf16* h, LayerScratch& scratch, bool amx) {
   const int64_t inter = s.intermediate;
-  std::vector<bf16> gate_up(s.rows * 2 * inter), act(s.rows * inter);
-  rms_norm(x, s.rows, s.hidden, norm, eps, h.data());
-  linear_rows(h.data(), s.rows, s.hidden, gate_up_tiles, 2 * inter, nullptr, gate_up.data(), amx);
-  for_rows(s.rows, [&](int64_t m) {
-    const bf16* row = gate_up.data() + m * 2 * inter;
-    silu_gate_row(row, row + inter, inter, act.data() + m * inter);
+  bf16* gate_up = scratch.take(scratch.gate_up, s.rows * 2 * inter);
+  bf16* act = scratch.take(scratch.act, s.rows * inter);
+  rms_norm(x, s.rows, s.hidden, norm, eps, h);
+  linear_rows(h, s.rows, s.hidden, gate_up_tiles, 2 * inter, nullptr, gate_up, amx);
+  for_rows(s.rows, 2 * inter, [&](int64_t m) {
+    const bf16* row = gate_up + m * 2 * inter;
+    silu_gate_row(row, row + inter, inter, act + m * inter);
   });
-  linear_rows(act.data(), s.rows, inter, down_tiles, s.hidden, nullptr, h.data(), amx);
-  add_into(x, h.data(), s.rows * s.hidden);
+  linear_rows(act, s.rows, inter, down_tiles, s.hidden, nullptr, h, amx);
+  add_into(x, h, s.rows * s.hidden);
 }
 
 at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -193,24 +215,28 @@ at::Tensor decoder_layer_bf16(const at::Tensor& x, const at::Tensor& cos, const 
   check_token_keys(keys.data_ptr<int64_t>(), live, tables.size(0), as.blocks_per_req * block_size);
   const float e = static_cast<float>(eps);
 
-  std::vector<bf16> h(s.rows * std::max(s.hidden, s.q_size())), qkv(s.rows * s.qkv_size());
+  LayerScratch& scratch = layer_scratch();
+  bf16* h = scratch.take(scratch.h, s.rows * std::max(s.hidden, s.q_size()));
+  bf16* qkv = scratch.take(scratch.qkv, s.rows * s.qkv_size());
   attention_inputs(xc.data_ptr<bf16>(), s, weight_ptr(input_norm, s.hidden, "input norm"), e, qkv_tiles,
                    optional_ptr(qkv_bias, s.qkv_size(), "qkv bias"), optional_ptr(q_norm, s.dim, "q norm"),
                    optional_ptr(k_norm, s.dim, "k norm"), cc.data_ptr<bf16>(), sc.data_ptr<bf16>(), h, qkv, amx);
   if (slots.numel() > 0) write_kv(qkv, s, slots.data_ptr<int64_t>(), live, k_cache, v_cache);
 
-  std::vector<bf16> q(s.rows * s.q_size()), attn(s.rows * s.q_size(), bf16(0.0f));
+  bf16* q = scratch.take(scratch.q, s.rows * s.q_size());
+  bf16* attn = scratch.take(scratch.attn, s.rows * s.q_size());
   for (int64_t m = 0; m < s.rows; ++m)
-    std::copy(qkv.data() + m * s.qkv_size(), qkv.data() + m * s.qkv_size() + s.q_size(), q.data() + m * s.q_size());
-  const BlockKeys block{qkv.data() + s.q_size(), qkv.data() + s.q_size() + s.kv_size(), block_rows, s.qkv_size()};
-  attend_tokens(q.data(), live, k_cache, v_cache, tables.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), as,
-                static_cast<float>(scale), attn.data(), block, amx);   // padding rows (>= live) stay zero
+    std::copy(qkv + m * s.qkv_size(), qkv + m * s.qkv_size() + s.q_size(), q + m * s.q_size());
+  std::fill(attn + live * s.q_size(), attn + s.rows * s.q_size(), bf16(0.0f));   // padding rows: zero
+  const BlockKeys block{qkv + s.q_size(), qkv + s.q_size() + s.kv_size(), block_rows, s.qkv_size()};
+  attend_tokens(q, live, k_cache, v_cache, tables.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), as,
+                static_cast<float>(scale), attn, block, amx);
 
   at::Tensor out = xc.clone();
   bf16* y = out.data_ptr<bf16>();
-  linear_rows(attn.data(), s.rows, s.q_size(), o_tiles, s.hidden, nullptr, h.data(), amx);
-  add_into(y, h.data(), s.rows * s.hidden);
-  mlp(y, s, weight_ptr(post_norm, s.hidden, "post-attention norm"), e, gate_up_tiles, down_tiles, h, amx);
+  linear_rows(attn, s.rows, s.q_size(), o_tiles, s.hidden, nullptr, h, amx);
+  add_into(y, h, s.rows * s.hidden);
+  mlp(y, s, weight_ptr(post_norm, s.hidden, "post-attention norm"), e, gate_up_tiles, down_tiles, h, scratch, amx);
   return out;
 }
 
