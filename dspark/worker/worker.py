@@ -22,6 +22,7 @@ from dspark.spec.draft import append_context, propose
 from dspark.spec.sts import survival as cumulative_survival
 from dspark.spec.types import DraftProposal
 from dspark.spec.verify import accept, accept_greedy
+from dspark.worker.deferred_context import DeferredContext
 from dspark.worker.draft_graphs import DraftGraphs, build_draft_graphs
 from dspark.worker.graphs import StepGraphs, dummy_metadata
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
@@ -71,6 +72,7 @@ class Worker:
         self.dummy_steps = 0                                  # idle data-parallel steps run
         self.draft_kv = None
         self.draft_graphs: DraftGraphs | None = None          # None: the draft step runs unpadded
+        self.deferred = DeferredContext()                     # context rows of undrafted steps
         if drafter is not None:
             self.draft_kv = allocate_kv_cache(drafter.config, num_blocks, block_size, dtype, device)
             if graphs is not None:                            # the draft step in the target's mode
@@ -88,6 +90,7 @@ class Worker:
         proposal = lens = logits_keep = None
         num_logits = inputs.logits_indices.shape[0]
         if spec_idx:
+            self.deferred.flush(self.drafter, self.draft_kv)      # the drafter reads all context
             ids = [batch.request_ids[i] for i in spec_idx] if batch.request_ids is not None else None
             proposal = self._draft(sampling, spec_idx, st, ids, key)
             self._place_drafts(inputs, batch.chunks, spec_idx, proposal.tokens)
@@ -99,10 +102,28 @@ class Worker:
                 inputs, logits_keep = trim_inputs(inputs, layout, lens, sum(caps) - batch.verify_budget)
         out = self.forward(inputs, key)
         if self.drafter is not None:
-            append_context(self.drafter, self.draft_kv, out.aux_hidden, inputs.positions,
-                           inputs.attn.write_rows, inputs.attn.write_slots)
+            self._append_context(out.aux_hidden, inputs, drafted=bool(spec_idx))
         logits = out.logits if logits_keep is None else untrim_logits(out.logits, logits_keep, num_logits)
         return self._accept(logits, sampling, batch.spec, spec_idx, proposal, st, lens)
+
+    def _append_context(self, aux_hidden: torch.Tensor, inputs: StepInputs, drafted: bool) -> None:
+        """The step's rows into the drafter's context: now after a drafting step (the next one
+        most likely drafts too) or a large one (nothing to save), else held for the next
+        drafting step's one append."""
+        attn = inputs.attn
+        if drafted or aux_hidden.shape[0] >= self.deferred.max_rows:
+            self.deferred.flush(self.drafter, self.draft_kv)       # the held rows go first
+            append_context(self.drafter, self.draft_kv, aux_hidden, inputs.positions, attn.write_rows,
+                           attn.write_slots)
+            return
+        self.deferred.hold(aux_hidden, inputs.positions, attn.write_rows, attn.write_slots)
+        if self.deferred.full:
+            self.deferred.flush(self.drafter, self.draft_kv)
+
+    def sync_draft_context(self) -> None:
+        """Append the held context rows now (the drafter's cache as a drafting step would see it)."""
+        if self.drafter is not None:
+            self.deferred.flush(self.drafter, self.draft_kv)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:

@@ -37,6 +37,8 @@ def test_committed_kv_equals_fresh_prefill(tmp_path):
     fresh_seq = fresh.requests[fid]
     sched = fresh.scheduler.schedule()                   # one prefill step, inspected before commit
     fresh.worker.execute(fresh._worker_batch(sched))
+    assert fresh.worker.deferred.num_rows == n           # a step that drafts nothing holds its rows
+    fresh.worker.sync_draft_context()
     got_t, got_d = committed_kv(spec, seq, n)
     ref_t, ref_d = committed_kv(fresh, fresh_seq, n)
     for a, b in zip(got_t + got_d, ref_t + ref_d):

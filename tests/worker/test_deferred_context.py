@@ -1,0 +1,72 @@
+"""Context rows of steps that draft nothing, held and appended in one call before the drafter reads."""
+
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.models.drafter_loader import load_drafter
+from dspark.models.loader import load_target
+from dspark.spec.draft import append_context
+from dspark.worker.deferred_context import DeferredContext, _last_writes
+from dspark.worker.kv_cache import allocate_kv_cache
+from tiny import save_random_drafter, save_tiny
+
+
+def _drafter(tmp_path):
+    save_tiny(str(tmp_path / "t"), "llama", True)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=4, std=0.15, layer_ids=(-1, 0))
+    target = load_target(str(tmp_path / "t"), torch.float32)
+    return load_drafter(str(tmp_path / "d"), target.config, target.model.embed_tokens,
+                        target.model.lm_head, torch.float32)
+
+
+def _steps(drafter, g):
+    """Three steps' append arguments; the last hands slot 5 (written by the first) to a new row."""
+    width = len(drafter.config.target_layer_ids) * drafter.config.target_hidden_size
+    specs = [([0, 1, 2], None, [4, 5, 6]), ([7, 8], [1], [9]), ([0, 3], None, [5, 12])]
+    return [(torch.randn(len(pos), width, generator=g), torch.tensor(pos),
+             None if rows is None else torch.tensor(rows), torch.tensor(slots)) for pos, rows, slots in specs]
+
+
+def test_held_steps_append_what_step_by_step_appends_write(tmp_path):
+    drafter = _drafter(tmp_path)
+    steps = _steps(drafter, torch.Generator().manual_seed(0))
+    reference = allocate_kv_cache(drafter.config, 4, 4, torch.float32, torch.device("cpu"))
+    held = allocate_kv_cache(drafter.config, 4, 4, torch.float32, torch.device("cpu"))
+    before = [(k.clone(), v.clone()) for k, v in held]
+    deferred = DeferredContext(max_rows=64)
+    with torch.inference_mode():
+        for aux, pos, rows, slots in steps:
+            append_context(drafter, reference, aux, pos, rows, slots)
+            deferred.hold(aux, pos, rows, slots)
+            aux.fill_(7.0)                                     # the caller's buffer is reused
+        assert deferred.num_rows == 7 and not deferred.full
+        for (k, v), (k0, v0) in zip(held, before):             # nothing written while held
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+        assert deferred.flush(drafter, held) == 7
+    assert deferred.num_rows == 0 and deferred.flushes == 1 and deferred.deferred_steps == 3
+    for (k, v), (rk, rv) in zip(held, reference):
+        assert torch.allclose(k, rk, atol=1e-6) and torch.allclose(v, rv, atol=1e-6)
+        assert not torch.equal(k[5], torch.zeros_like(k[5]))
+
+
+def test_the_last_write_of_a_slot_stands():
+    assert sorted(_last_writes(torch.tensor([4, 5, 6, 9, 5, 12])).tolist()) == [0, 2, 3, 4, 5]
+    assert _last_writes(torch.tensor([3, 3, 3])).tolist() == [2]
+    assert _last_writes(torch.zeros(0, dtype=torch.long)).numel() == 0
+
+
+def test_a_prefill_is_held_until_the_first_drafting_step(tmp_path):
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=4)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
+    engine = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), block_size=4,
+                 max_model_len=64, kv_cache_bytes=1 << 20, graph="eager").engine
+    engine.add_request([3, 9, 4, 7, 11], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    snapshot = [k.clone() for k, _ in engine.worker.draft_kv]
+    engine.step()                                              # the prefill: no drafter pass
+    deferred = engine.worker.deferred
+    assert deferred.num_rows == 5 and deferred.flushes == 0
+    assert all(torch.equal(k, k0) for (k, _), k0 in zip(engine.worker.draft_kv, snapshot))
+    engine.step()                                              # drafts: the prefill rows go first
+    assert deferred.num_rows == 0 and deferred.flushes == 1
+    assert engine.spec_stats.draft_rounds == 1
+    assert not all(torch.equal(k, k0) for (k, _), k0 in zip(engine.worker.draft_kv, snapshot))
