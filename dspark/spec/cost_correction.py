@@ -18,6 +18,7 @@ admit. A class that settles 2x or more off the table says, once, that the table 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -100,9 +101,16 @@ class CostCorrection:
 
     def scale(self, other_tokens: int, max_budget: int) -> CostScale:
         """The factors for a step of `other_tokens` plus a verify budget of 0..max_budget."""
-        tokens = np.arange(other_tokens, other_tokens + max_budget + 1, dtype=np.float64)
-        classes = np.ceil(np.log2(np.maximum(tokens, 1.0))).astype(np.int64)                # size_class
-        classes = np.minimum(classes, MAX_CLASSES - 1)
         ratios = self.ratios
         return CostScale(plain=float(ratios[PLAIN, size_class(other_tokens)]),
-                         drafted=ratios[DRAFTED, classes])
+                         drafted=ratios[DRAFTED, _classes(other_tokens, max_budget)])
+
+
+@functools.lru_cache(maxsize=256)
+def _classes(other_tokens: int, max_budget: int) -> np.ndarray:
+    """[max_budget + 1] size_class of other_tokens + b, b = 0..max_budget (read-only; a step's
+    shape repeats under steady load, so the planner asks for the same ones step after step)."""
+    tokens = np.arange(other_tokens, other_tokens + max_budget + 1, dtype=np.float64)
+    classes = np.minimum(np.ceil(np.log2(np.maximum(tokens, 1.0))).astype(np.int64), MAX_CLASSES - 1)
+    classes.setflags(write=False)
+    return classes

@@ -27,6 +27,7 @@ import torch
 
 from dspark.spec.cost_correction import CostScale
 
+MEMO_ENTRIES = 256        # remembered results per cost list (a step's shapes repeat under steady load)
 
 @dataclass
 class CostTable:
@@ -43,16 +44,34 @@ class CostTable:
         if any(not c > 0 for c in self.verify_ms[1:] + self.draft_ms[1:]):
             raise ValueError("cost table entries must be positive")
         self._arrays: dict[str, tuple[list[float], np.ndarray]] = {}
+        self._memo: dict[str, dict] = {}          # per list: read-only results by their arguments
 
     def _costs(self, name: str) -> np.ndarray:
         """The list `name` as an array, converted once per list (the planner prices every step).
-        A list assigned anew is converted again; entries are not to be changed in place."""
+        A list assigned anew is converted again (and what was computed from it dropped); entries
+        are not to be changed in place."""
         costs = getattr(self, name)
         cached = self._arrays.get(name)
         if cached is None or cached[0] is not costs:
             cached = (costs, np.asarray(costs, dtype=np.float64))
             self._arrays[name] = cached
+            self._memo.pop(name, None)
         return cached[1]
+
+    def _remembered(self, name: str, key, compute) -> np.ndarray:
+        """compute(costs array of `name`), kept by `key`: steady load asks for the same stretch of
+        the table every step, and between steps that stream the weights through the caches each
+        small numpy call costs several microseconds."""
+        costs = self._costs(name)
+        memo = self._memo.setdefault(name, {})
+        result = memo.get(key)
+        if result is None:
+            if len(memo) >= MEMO_ENTRIES:
+                memo.clear()
+            result = compute(costs)
+            result.setflags(write=False)
+            memo[key] = result
+        return result
 
     @property
     def max_tokens(self) -> int:
@@ -65,14 +84,17 @@ class CostTable:
     def verify_costs(self, start: int, stop: int) -> np.ndarray:
         """[stop - start] verify cost of t = start..stop-1 tokens; past the table, the last
         measured slope (a larger step never costs less)."""
-        return _extrapolated(self._costs("verify_ms"), start, stop)
+        return self._remembered("verify_ms", (start, stop), lambda c: _extrapolated(c, start, stop))
 
     def draft_costs(self, sizes) -> np.ndarray:
         """Drafter cost for each request count in `sizes` (0 requests: no drafter pass)."""
         sizes = np.asarray(sizes, dtype=np.int64)
-        costs = _extrapolated(self._costs("draft_ms"), 0, int(sizes.max()) + 1)
-        costs[0] = 0.0
-        return costs[sizes]
+
+        def compute(table: np.ndarray) -> np.ndarray:
+            costs = _extrapolated(table, 0, int(sizes.max()) + 1)
+            costs[0] = 0.0
+            return costs[sizes]
+        return self._remembered("draft_ms", (sizes.shape, sizes.tobytes()), compute)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -189,3 +189,16 @@ def test_set_prefix_sums_equal_sorting_each_sets_slots(seed):
         expected = torch.cat([torch.zeros(1), own.cumsum(0)])
         assert torch.allclose(sums[c, :len(expected)], expected)
         assert torch.allclose(sums[c, len(expected):], expected[-1].expand(r * gamma + 1 - len(expected)))
+
+
+def test_remembered_costs_are_read_only_and_follow_a_reassigned_list():
+    t = CostTable(fingerprint={}, verify_ms=[0.0, 1.0, 2.0, 3.0], draft_ms=[0.0, 1.0, 2.0])
+    first = t.verify_costs(1, 3)
+    assert t.verify_costs(1, 3) is first and first.tolist() == [1.0, 2.0] and not first.flags.writeable
+    t.verify_ms = [0.0, 5.0, 6.0, 7.0]                       # a new list: priced anew
+    assert t.verify_costs(1, 3).tolist() == [5.0, 6.0]
+    drafts = t.draft_costs([0, 2])
+    assert drafts.tolist() == [0.0, 2.0] and not drafts.flags.writeable
+    assert t.draft_costs([[0, 2]]).shape == (1, 2)            # same values, another shape
+    t.draft_ms = [0.0, 4.0, 8.0]
+    assert t.draft_costs([0, 2]).tolist() == [0.0, 8.0]
