@@ -40,14 +40,25 @@ def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.devi
         indptr.append(indptr[-1] + q)
     logits = [i for c, end in zip(chunks, indptr[1:]) for i in range(end - c.num_logits, end)]
     tables = _padded_tables(chunks)
-    pos_t = torch.tensor(positions, dtype=torch.long)
-    req_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens))
-    blocks = tables[req_of_token, pos_t // block_size]
-    slots = torch.where(blocks < 0, -1, blocks * block_size + pos_t % block_size)   # -1: no write
+    slots = torch.tensor(_slots(chunks, block_size), dtype=torch.long)                # -1: no write
     attn = _metadata(q_lens, starts, ctx_lens, tables, slots, block_size, sliding_window).to(device)
     to = lambda x: torch.as_tensor(x, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
     return StepInputs(input_ids=to(ids), positions=to(positions), qo_indptr=to(indptr),
                       logits_indices=to(logits), attn=attn)
+
+
+def _slots(chunks: list[RequestChunk], block_size: int) -> list[int]:
+    """Each new token's cache slot (-1 where its block is negative: no write). Plain Python: a
+    decode step has a handful of tokens, for which the loop costs less than the dozen small
+    tensor operations that would compute the same."""
+    slots = []
+    for c in chunks:
+        table = c.block_table
+        for pos in range(c.start, c.start + len(c.token_ids)):
+            b = pos // block_size
+            block = table[b] if b < len(table) else 0          # as the zero-padded table reads
+            slots.append(-1 if block < 0 else block * block_size + pos % block_size)
+    return slots
 
 
 def _padded_tables(chunks: list[RequestChunk]) -> torch.Tensor:
@@ -121,13 +132,12 @@ def _request_metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int],
 
 def _token_keys(q_lens: list[int], starts: list[int], window: int | None) -> torch.Tensor:
     """[T, 3]: each token's request, first key and end key (causal, within the window): the
-    per-token form of `_mask`, for kernels that read keys in place."""
-    lens = torch.tensor(q_lens)
-    request = torch.repeat_interleave(torch.arange(len(q_lens)), lens)
-    first_row = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    end = torch.tensor(starts)[request] + torch.arange(request.shape[0]) - first_row + 1
-    begin = (end - window).clamp(min=0) if window is not None else torch.zeros_like(end)
-    return torch.stack([request, begin, end], 1)
+    per-token form of `_mask`, for kernels that read keys in place (built in Python, as `_slots`)."""
+    keys = []
+    for r, (q, start) in enumerate(zip(q_lens, starts)):
+        for end in range(start + 1, start + q + 1):
+            keys.append((r, max(0, end - window) if window is not None else 0, end))
+    return torch.tensor(keys, dtype=torch.long).view(-1, 3)
 
 
 def _mask(q_lens, starts, max_q, max_ctx, window) -> torch.Tensor:

@@ -129,3 +129,39 @@ def test_bf16_verify_and_decode_rows_read_their_keys_in_place_also_after_trimmin
         assert "dspark_cpu::paged_attention_bf16" in {e.key for e in prof.key_averages()}
         ref = _reference_attention(q, k_cache, v_cache, step, bs, 0.3, window)
         assert torch.allclose(out.float(), ref, rtol=2 ** -7, atol=3e-3)
+
+
+def test_slots_and_token_keys_follow_the_tensor_formulas():
+    """The per-token slots and keys, built in Python, against the same quantities as tensor ops
+    over the zero-padded block tables: decode rows, a verify block, a prefill chunk, a negative
+    (no-write) block, with and without a sliding window."""
+    block_size = 4
+    chunks = [RequestChunk([1], 13, [3, 8, 2, 9], 1), RequestChunk([1] * 8, 5, [4, 7, 6], 8),
+              RequestChunk([1] * 17, 0, [5, -1, 11, 12, 13], 1), RequestChunk([1], 0, [10], 1)]
+    for window in (None, 6):
+        inp = build_inputs(chunks, block_size, torch.device("cpu"), window)
+        q_lens = torch.tensor([len(c.token_ids) for c in chunks])
+        starts = torch.tensor([c.start for c in chunks])
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.long)
+        for r, c in enumerate(chunks):
+            tables[r, :len(c.block_table)] = torch.tensor(c.block_table)
+        request = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
+        pos = starts[request] + torch.arange(request.shape[0]) - torch.repeat_interleave(q_lens.cumsum(0) - q_lens, q_lens)
+        blocks = tables[request, pos // block_size]
+        slots = torch.where(blocks < 0, -1, blocks * block_size + pos % block_size)
+        assert torch.equal(inp.positions, pos)
+        written = slots >= 0
+        assert not written.all()                              # the negative block writes nothing
+        assert torch.equal(inp.attn.write_slots, slots[written])
+        assert torch.equal(inp.attn.write_rows, written.nonzero().flatten())
+        end = pos + 1
+        begin = (end - window).clamp(min=0) if window else torch.zeros_like(end)
+        keys = torch.stack([request, begin, end], 1)
+        metas = [inp.attn] if inp.attn.parts is None else [p.meta for p in inp.attn.parts]
+        rows = [torch.arange(len(pos))] if inp.attn.parts is None else [p.rows for p in inp.attn.parts]
+        for meta, r in zip(metas, rows):
+            local = keys[r].clone()
+            local[:, 0] = torch.unique_consecutive(keys[r][:, 0], return_inverse=True)[1]
+            assert torch.equal(meta.token_keys, local)
+        assert inp.attn.parts is not None                     # a long chunk beside decode rows
