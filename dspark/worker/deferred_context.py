@@ -26,8 +26,8 @@ from dspark.spec.draft import KVCaches, append_context
 
 @dataclass
 class HeldRows:
-    """One step's rows for the drafter's context, owned here (graph outputs are overwritten by
-    the next replay, so the features are copied)."""
+    """One step's rows for the drafter's context. The features are copied (graph outputs are
+    overwritten by the next replay); positions and slots are the step's own fresh tensors."""
     aux_hidden: torch.Tensor       # [T, m*d_t] target features of the step's rows
     positions: torch.Tensor        # [T]
     rows: torch.Tensor             # [W] rows of aux_hidden that store K/V
@@ -48,8 +48,8 @@ class DeferredContext:
              write_slots: torch.Tensor) -> None:
         """Keep a step's rows (`append_context`'s arguments) for a later append."""
         t = aux_hidden.shape[0]
-        rows = torch.arange(t, device=aux_hidden.device) if write_rows is None else write_rows.clone()
-        self.held.append(HeldRows(aux_hidden.clone(), positions.clone(), rows, write_slots.clone()))
+        rows = torch.arange(t, device=aux_hidden.device) if write_rows is None else write_rows
+        self.held.append(HeldRows(aux_hidden.clone(), positions, rows, write_slots))
         self.num_rows += t
         self.deferred_steps += 1
 
