@@ -297,3 +297,37 @@ def test_old_confidences_fade_toward_the_population_prior():
     assert torch.allclose(half, torch.full((2,), 0.5 * float(population[0]), dtype=half.dtype), atol=1e-3)
     assert torch.allclose(old, population, atol=1e-3)
     assert torch.allclose(priced(0, []), population)                       # no history at all
+
+
+def test_the_planner_learns_what_its_own_prices_realise():
+    """Stale confidences promise two sure drafts, while the rounds they buy accept none and the
+    fresh confidences of those rounds say so honestly: the drafter's calibration has nothing
+    to correct, but the planner's own correction learns that its prices do not come true and it
+    decodes plainly. Prices that do come true keep it drafting."""
+    from types import SimpleNamespace
+    from dspark.engine.spec_schedule import ConfidenceScheduler
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [11.0] * 8, draft_ms=[0.0] + [1.0] * 4)
+    sure, hopeless = [9.0, 9.0], [-9.0, -9.0]
+
+    def run(accepted: int) -> ConfidenceScheduler:
+        sched = ConfidenceScheduler(table, None, gamma=2, lag=2, min_gain=0.0, probe_interval=10**6,
+                                    cost_correction=False)
+        batch = [SimpleNamespace(seq=SimpleNamespace(
+            confidence_history=[sure, hopeless], steps_without_draft=0, probe_backoff=1,
+            planned_survival=None), spec=True, sample=True, verify_len=2, num_new_tokens=3)
+            for _ in range(4)]                           # lag 2: priced by `sure`
+        assert all(sched.plan(batch).drafted)
+        for _ in range(60):
+            for s in batch:
+                if s.seq.planned_survival is not None:
+                    sched.record(s.seq, hopeless, verified=2, accepted=accepted)
+                    s.seq.confidence_history[:] = [sure, hopeless]
+            sched.plan(batch)
+        return sched, sched.plan(batch)
+
+    (liar, plain), (honest, drafted) = run(accepted=0), run(accepted=2)
+    assert liar.correction.factors.min() > 0.9          # the fresh confidences were right
+    assert liar.plan_correction.factors.max() < 0.3
+    assert not any(plain.drafted) and plain.budget == 0
+    assert all(drafted.drafted) and drafted.budget == 8
+    assert honest.plan_correction.factors.min() > 0.9
