@@ -3,10 +3,13 @@
 Verify cost is timed at every graph bucket up to T_max (and every Nth count past the largest)
 as the target forward a speculative step runs (requests of γ+1 rows each, logits for every
 row, padded to the bucket as the engine pads it); draft cost for every request
-count 1..R_max as one drafter proposal; both at a realistic context length, median of N timed
-calls after warm-up, then made monotone (a larger step never costs less: the noise of a shared
-machine must not make the planner chase phantom dips). The engine must be idle: profiling
-writes scratch K/V into blocks no request owns yet.
+count 1..R_max as one drafter proposal plus the drafter's context append of those requests'
+verify rows (γ+1 each): both are what a step that drafts pays and a plain step does not (the
+append is about a fifth of the drafter's share of a one-request step on a 2-core CPU). Both
+at a realistic context length, median of N timed calls after warm-up, then made monotone (a
+larger step never costs less: the noise of a shared machine must not make the planner chase
+phantom dips). The engine must be idle: profiling writes scratch K/V into blocks no request
+owns yet.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.sampling_params import SamplingParams
-from dspark.spec.draft import propose
+from dspark.spec.draft import append_context, propose
 from dspark.spec.planner import CostTable
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.sampler import SamplingTensors
@@ -67,18 +70,27 @@ def _verify_fn(worker: Worker, tokens: int, gamma: int, context_len: int):
 
 def _draft_fn(worker: Worker, num_requests: int, context_len: int):
     dev = worker.device
-    tables = torch.tensor(_tables(worker, num_requests, context_len, worker.drafter.config.num_block_slots),
-                          device=dev)
+    rows = worker.drafter.config.block_size + 1                       # a verify block: anchor + γ
+    table_lists = _tables(worker, num_requests, context_len,
+                          max(rows, worker.drafter.config.num_block_slots))
+    tables = torch.tensor(table_lists, device=dev)
     anchors = torch.ones(num_requests, dtype=torch.long, device=dev)
     starts = torch.full((num_requests,), context_len, dtype=torch.long, device=dev)
     st = SamplingTensors.build([SamplingParams(temperature=0.0)] * num_requests,
                                [None] * num_requests, worker.config.vocab_size, dev)
+    verified = build_inputs([RequestChunk([1] * rows, context_len, t, 0) for t in table_lists],
+                            worker.block_size, dev, worker.config.sliding_window)
+    aux = torch.randn(num_requests * rows, len(worker.aux_layer_ids) * worker.config.hidden_size,
+                      generator=torch.Generator().manual_seed(0)).to(dev, worker.kv_caches[0][0].dtype)
 
     def run():          # at the request bucket the engine drafts at, when it has draft graphs
         if worker.draft_graphs is not None:
             worker.draft_graphs.run(worker.draft_kv, anchors, starts, tables, st)
         else:
             propose(worker.drafter, worker.draft_kv, anchors, starts, tables, worker.block_size, st)
+        attn = verified.attn            # the drafting step's rows into the drafter's context
+        append_context(worker.drafter, worker.draft_kv, aux, verified.positions, attn.write_rows,
+                       attn.write_slots)
     return run
 
 
@@ -123,4 +135,5 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
     return CostTable(fingerprint=fingerprint, verify_ms=[0.0] + monotone(verify),
                      draft_ms=[0.0] + monotone(draft), context_len=cfg.context_len,
                      method=f"median of {cfg.repeats} after {cfg.warmup} warm-up, every "
-                            f"{cfg.token_stride} tokens, made monotone")
+                            f"{cfg.token_stride} tokens, made monotone; draft cost with the "
+                            f"context append")

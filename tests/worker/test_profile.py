@@ -64,3 +64,29 @@ def test_a_drafter_replaced_in_the_same_folder_does_not_match_its_old_table(tmp_
     with pytest.raises(ValueError, match="drafter_config"):
         table.check_fingerprint(new)
     assert json.loads((tmp_path / "d" / "config.json").read_text())["markov_rank"] == 4
+
+
+def test_draft_cost_includes_the_context_append(tmp_path, monkeypatch):
+    """A drafting step also appends its requests' verify rows (γ+1 each) to the drafter's
+    context, which a plain step does not: the draft cost carries it, once per timed call, with
+    the rows of every request."""
+    import time
+    import dspark.worker.profile as profile
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=1)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, seed=2)
+    llm = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128,
+              graph="eager")
+    appended = []
+    real = profile.append_context
+
+    def slow_append(drafter, kv, aux_hidden, positions, write_rows, write_slots):
+        appended.append(aux_hidden.shape[0])
+        time.sleep(0.03)
+        real(drafter, kv, aux_hidden, positions, write_rows, write_slots)
+
+    monkeypatch.setattr(profile, "append_context", slow_append)
+    table = llm.engine.profile(ProfileConfig(max_tokens=4, max_requests=2, context_len=8,
+                                             repeats=1, warmup=0))
+    assert sorted(set(appended)) == [4, 8] and len(appended) == 2
+    assert table.draft_ms[1] >= 30.0 and table.draft_ms[2] >= 30.0
+    assert table.verify_ms[4] < 30.0                      # the verify forward does not append
