@@ -35,7 +35,7 @@ class Sequence:
         self.confidence_history: list[list[float]] = []   # raw z of recent rounds (newest last)
         self.steps_without_draft = 0                       # decode steps the planner left undrafted
         self.probe_backoff = 1                             # x the probe interval (doubles per futile probe)
-        self.planned_survival = None                       # [γ] what the planner priced its round at
+        self.planned_survival = None                       # numpy [γ]: the planner's price of its round
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -309,7 +309,7 @@ def test_the_planner_learns_what_its_own_prices_realise():
     table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [11.0] * 8, draft_ms=[0.0] + [1.0] * 4)
     sure, hopeless = [9.0, 9.0], [-9.0, -9.0]
 
-    def run(accepted: int) -> ConfidenceScheduler:
+    def run(accepted: int) -> tuple[ConfidenceScheduler, StepPlan]:
         sched = ConfidenceScheduler(table, None, gamma=2, lag=2, min_gain=0.0, probe_interval=10**6,
                                     cost_correction=False)
         batch = [SimpleNamespace(seq=SimpleNamespace(
