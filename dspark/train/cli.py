@@ -55,8 +55,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     tr.add_argument("--target-layer-ids", default=None,
                     help="comma-separated target layer outputs (default: 5 spread, not the last)")
     tr.add_argument("--init-from", default=None, metavar="DRAFTER",
-                    help="start a new run from this exported full-vocabulary drafter's weights "
-                         "and architecture")
+                    help="start a new run from this exported drafter's weights and architecture "
+                         "(a reduced draft vocabulary's dropped tokens start with zero Markov rows)")
     tr.add_argument("--no-bf16", dest="bf16", action="store_const", const=False, default=None,
                     help="train in fp32 (slower on CPU)")
 

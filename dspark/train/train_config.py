@@ -38,7 +38,7 @@ class TrainConfig:
     markov_head_type: str = "vanilla"
     target_layer_ids: tuple[int, ...] | None = None   # None: default_target_layer_ids(n, 5)
     mask_token_id: int | None = None                  # None: pick_mask_token_id
-    init_from: str | None = None           # a full-vocabulary drafter (speculators format) to start from
+    init_from: str | None = None           # an exported drafter (speculators format) to start from
     # optimisation
     lr: float = 6e-4
     weight_decay: float = 0.0

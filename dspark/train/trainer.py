@@ -133,14 +133,17 @@ class Trainer:
 
     def _init_from(self, path: str) -> None:
         """Start a new run from an exported drafter's weights (a warm start on more data or with a
-        new schedule); `_resolve` gave the run its architecture."""
+        new schedule); `_resolve` gave the run its architecture. A drafter with a reduced draft
+        vocabulary seeds the full one (`full_vocab_state`): training needs every token's row."""
         source = load_drafter(path, self.target.config, self.target.model.embed_tokens, self.target.model.lm_head,
                               torch.float32)
+        state = source.state_dict()
         if source.config.uses_draft_vocab:
-            raise ValueError(f"--init-from {path}: a reduced draft vocabulary "
-                             f"({source.config.draft_vocab_size} tokens) cannot seed training; "
-                             f"start from the full-vocabulary export")
-        self.drafter.load_state_dict(source.state_dict())
+            state = full_vocab_state(source)
+            logger.warning("--init-from %s has a reduced draft vocabulary (%d of %d tokens): the "
+                           "Markov rows of the other tokens start at zero", path,
+                           source.config.draft_vocab_size, source.config.vocab_size)
+        self.drafter.load_state_dict(state)
         logger.info("initialised the drafter from %s", path)
 
     def _warn_mask_in_data(self) -> None:
@@ -285,6 +288,20 @@ class Trainer:
         from dspark.train.card import write_model_card
         return write_model_card(path, self.cfg.out_dir, self.cfg, self.drafter_config,
                                 sum(p.numel() for p in self.params))
+
+
+def full_vocab_state(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """The state of a full-vocabulary drafter from one with a reduced draft vocabulary: the
+    Markov head's W2 rows go back to their target ids, and the rows of the ids pruning dropped
+    start at zero (no bias: the pruned drafter never proposed those tokens, and training learns
+    them). Every other weight is per-token along the target vocabulary already, or not at all."""
+    state = {k: v for k, v in drafter.state_dict().items() if k not in ("t2d", "d2t")}
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in state:
+        full = state[w2].new_zeros(drafter.config.vocab_size, state[w2].shape[1])    # [V, r]
+        full[drafter.draft_to_target_index] = state[w2]
+        state[w2] = full
+    return state
 
 
 def _postfix(record: dict) -> str:

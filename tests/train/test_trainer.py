@@ -207,14 +207,27 @@ def test_init_from_starts_a_new_run_from_an_exported_drafter(tiny_run):
     assert all(torch.equal(v, params_of(warm)[k]) for k, v in params_of(resumed).items())
 
 
-def test_init_from_refuses_a_reduced_draft_vocabulary(tiny_run, tmp_path):
+def test_init_from_a_reduced_draft_vocabulary_restores_the_kept_rows(tiny_run, tmp_path, caplog):
+    """A pruned drafter seeds a full-vocabulary run: its Markov W2 rows return to their target
+    ids, the dropped ids' rows start at zero (with a warning), and every other weight is the
+    original's."""
     from dspark.models.drafter_loader import save_speculators
     from dspark.train.prune_vocab import prune_drafter
     trainer = Trainer(config(tiny_run, "init_reduced", steps=1))
-    small = prune_drafter(trainer.drafter, torch.arange(0, 96, 3))
-    save_speculators(small, str(tmp_path / "reduced"))
-    with pytest.raises(ValueError, match="reduced draft vocabulary"):
-        Trainer(config(tiny_run, "init_reduced_2", init_from=str(tmp_path / "reduced")))
+    trainer.train(use_tqdm=False)
+    keep = torch.arange(0, 96, 3)
+    save_speculators(prune_drafter(trainer.drafter, keep), str(tmp_path / "reduced"))
+    with caplog.at_level("WARNING"):
+        warm = Trainer(config(tiny_run, "init_reduced_2", init_from=str(tmp_path / "reduced")))
+    assert "reduced draft vocabulary (32 of" in caplog.text
+    original, seeded = params_of(trainer), params_of(warm)
+    assert original.keys() == seeded.keys()
+    w2 = "markov_head.markov_w2.weight"
+    assert all(torch.equal(original[k], seeded[k]) for k in original if k != w2)
+    dropped = torch.ones(original[w2].shape[0], dtype=torch.bool)
+    dropped[keep] = False
+    assert torch.equal(seeded[w2][keep], original[w2][keep])
+    assert not seeded[w2][dropped].any() and original[w2][dropped].any()
 
 
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
