@@ -9,6 +9,7 @@ ids (the speculators format). Verification is unchanged and lossless; a target t
 kept set is simply never drafted. Which ids to keep is counted from the target's own greedy
 answers to training-style prompts (not the held-out ones), topped up by id order (BPE merge
 order, roughly frequency) and always including the end-of-sequence ids.
+`full_vocab_state` goes back the other way, for a warm start of training from a pruned drafter.
 """
 
 from __future__ import annotations
@@ -61,6 +62,20 @@ def prune_drafter(drafter: Drafter, keep: torch.Tensor) -> Drafter:
     small.load_state_dict(state)
     small.bind_draft_vocab()
     return small
+
+
+def full_vocab_state(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """The state of a full-vocabulary drafter from one with a reduced draft vocabulary: the
+    Markov head's W2 rows go back to their target ids, and the rows of the ids pruning dropped
+    start at zero (no bias: the pruned drafter never proposed those tokens, and training learns
+    them). Every other weight is per-token along the target vocabulary already, or not at all."""
+    state = {k: v for k, v in drafter.state_dict().items() if k not in ("t2d", "d2t")}
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in state:
+        full = state[w2].new_zeros(drafter.config.vocab_size, state[w2].shape[1])    # [V, r]
+        full[drafter.draft_to_target_index] = state[w2]
+        state[w2] = full
+    return state
 
 
 def count_answer_tokens(llm, prompts: list[list[int]], max_tokens: int) -> Counter:

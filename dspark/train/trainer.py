@@ -29,6 +29,7 @@ from dspark.train.data import EpochSampler, Sample, atomic_save, load_samples
 from dspark.train.features import TargetFeatureExtractor
 from dspark.train.forward import MetricPool, StepMetrics, training_forward
 from dspark.train.loss import LossOutput, build_block_batch
+from dspark.train.prune_vocab import full_vocab_state
 from dspark.train.train_config import (ARCH_FIELDS, CONFIG, TrainConfig, build_drafter_config,
                                        default_target_layer_ids, init_arch_fields,
                                        pick_mask_token_id)
@@ -288,20 +289,6 @@ class Trainer:
         from dspark.train.card import write_model_card
         return write_model_card(path, self.cfg.out_dir, self.cfg, self.drafter_config,
                                 sum(p.numel() for p in self.params))
-
-
-def full_vocab_state(drafter: Drafter) -> dict[str, torch.Tensor]:
-    """The state of a full-vocabulary drafter from one with a reduced draft vocabulary: the
-    Markov head's W2 rows go back to their target ids, and the rows of the ids pruning dropped
-    start at zero (no bias: the pruned drafter never proposed those tokens, and training learns
-    them). Every other weight is per-token along the target vocabulary already, or not at all."""
-    state = {k: v for k, v in drafter.state_dict().items() if k not in ("t2d", "d2t")}
-    w2 = "markov_head.markov_w2.weight"
-    if w2 in state:
-        full = state[w2].new_zeros(drafter.config.vocab_size, state[w2].shape[1])    # [V, r]
-        full[drafter.draft_to_target_index] = state[w2]
-        state[w2] = full
-    return state
 
 
 def _postfix(record: dict) -> str:

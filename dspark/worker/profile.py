@@ -71,7 +71,7 @@ def _verify_fn(worker: Worker, tokens: int, gamma: int, context_len: int):
 def _draft_fn(worker: Worker, num_requests: int, context_len: int):
     dev = worker.device
     rows = worker.drafter.config.block_size + 1                       # a verify block: anchor + γ
-    table_lists = _tables(worker, num_requests, context_len,
+    table_lists = _tables(worker, num_requests, context_len,             # pages for both passes
                           max(rows, worker.drafter.config.num_block_slots))
     tables = torch.tensor(table_lists, device=dev)
     anchors = torch.ones(num_requests, dtype=torch.long, device=dev)
