@@ -46,6 +46,16 @@ def _eval_table(record: dict) -> list[str]:
     return [head, rule, *rows]
 
 
+def _baseline(evals: list[dict]) -> str:
+    """What the warm start's own weights scored on the same held-out slots (the step-0 eval)."""
+    first = evals[0] if evals and evals[0]["step"] == 0 else None
+    if first is None:
+        return ""
+    return (f" Those weights, on the held-out slots below before any step: loss "
+            f"{first['loss']:.3f}, τ {first['tau']:.2f} (T = 1) and {first['tau_greedy']:.2f} "
+            f"(argmax match).")
+
+
 def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_params: int) -> str:
     """README.md (and the curves PNG, if plotted) into `export_dir`."""
     train, evals = read_log(os.path.join(run_dir, "train_log.jsonl"))
@@ -70,7 +80,7 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
     if cfg.init_from:
         lines += [f"The run started from the weights of an earlier export "
                   f"(`{os.path.basename(os.path.normpath(cfg.init_from))}`, `--init-from`); the "
-                  f"steps above are this run's alone.", ""]
+                  f"steps above are this run's alone.{_baseline(evals)}", ""]
     if last:
         lines += [f"Held-out ({last['slots']} supervised slots, step {last['step']}): loss "
                   f"{last['loss']:.3f}, per-position acceptance and τ (1 + Σ cumulative products):",

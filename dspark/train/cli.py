@@ -41,8 +41,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     gen = p.add_argument_group("data generation")
     gen.add_argument("--num-prompts", type=int, default=4000)
     gen.add_argument("--max-tokens", type=int, default=192, help="response length cap")
-    gen.add_argument("--temperature", type=float, default=0.7)
-    gen.add_argument("--top-p", type=float, default=0.8)
+    gen.add_argument("--temperature", type=float, default=0.2,
+                     help="the target's recommended sampling (SmolLM2: 0.2, top-p 0.9)")
+    gen.add_argument("--top-p", type=float, default=0.9)
     gen.add_argument("--heldout-fraction", type=float, default=0.05)
     gen.add_argument("--chat-fraction", type=float, default=0.5)
     gen.add_argument("--chunk-size", type=int, default=256, help="prompts per shard")

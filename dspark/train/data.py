@@ -46,8 +46,8 @@ class GenerateConfig:
     heldout_fraction: float = 0.05    # by prompt source, see prompts.is_heldout
     chat_fraction: float = 0.5        # the rest is code, half raw completion, half chat
     max_tokens: int = 192             # response length cap
-    temperature: float = 0.7          # DeepSpec regenerates at 0.7 / top-p 0.8 (§5.1)
-    top_p: float = 0.8
+    temperature: float = 0.2          # the target's recommended sampling (§5.1): SmolLM2's card
+    top_p: float = 0.9                # samples at 0.2 / top-p 0.9 (DeepSpec's Qwen3: 0.7 / 0.8)
     max_prompt_tokens: int = 384      # longer prompts are skipped (keeps sequences <= 576)
     chunk_size: int = 256             # prompts per shard (the resume granularity)
     max_num_seqs: int = 64            # engine batch

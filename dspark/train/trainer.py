@@ -238,6 +238,8 @@ class Trainer:
         cfg, last_eval = self.cfg, {}
         window, busy, start = MetricPool(cfg.block_size), 0.0, time.perf_counter()
         grad_norms: list[float] = []
+        if self.step == 0 and cfg.init_from and cfg.eval_every:
+            last_eval = self._log_eval()           # the warm start's baseline, at step 0
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", disable=not use_tqdm)
         while self.step < cfg.steps:
             t0 = time.perf_counter()
@@ -252,15 +254,19 @@ class Trainer:
                 bar.set_postfix_str(_postfix(record))
                 window, busy, grad_norms = MetricPool(cfg.block_size), 0.0, []
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                last_eval = self.evaluate()
-                if last_eval:
-                    self.log({"type": "eval", "step": self.step, **last_eval})
-                    logger.info("eval step %d: loss %.4f tau %.3f accept %s", self.step,
-                                last_eval["loss"], last_eval["tau"], last_eval["accept"])
+                last_eval = self._log_eval()
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                 self.save_checkpoint()
         bar.close()
         return last_eval
+
+    def _log_eval(self) -> dict:
+        result = self.evaluate()
+        if result:
+            self.log({"type": "eval", "step": self.step, **result})
+            logger.info("eval step %d: loss %.4f tau %.3f accept %s", self.step, result["loss"],
+                        result["tau"], result["accept"])
+        return result
 
     def _train_record(self, window: MetricPool, grad_norms: list[float], seconds: float,
                       elapsed: float) -> dict:

@@ -198,10 +198,18 @@ def test_init_from_starts_a_new_run_from_an_exported_drafter(tiny_run):
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
     cold = Trainer(config(tiny_run, "init_cold", num_draft_layers=2, markov_rank=4, seed=1))
     assert not torch.equal(params_of(cold)["fc.weight"], ours["fc.weight"])
+    warm.cfg.eval_every = 4
     warm.train(use_tqdm=False)                # a checkpoint now exists: resuming loads it, not path
+    evals = [r for r in map(json.loads, open(os.path.join(warm.cfg.out_dir, LOG)))
+             if r["type"] == "eval"]
+    # step 0 is the warm start's baseline: the source drafter's own held-out figures
+    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert evals[0]["loss"] == pytest.approx(source.evaluate()["loss"], rel=1e-5)
+    assert evals[2]["loss"] < evals[0]["loss"]
     exported = warm.export(str(tiny_run.root / "init_warm_export"), torch.float32)
     card = open(warm.write_card(exported)).read()
     assert "(`init_exported`, `--init-from`)" in card and "8 steps of 4 sequences" in card
+    assert f"before any step: loss {evals[0]['loss']:.3f}, τ {evals[0]['tau']:.2f}" in card
     resumed = Trainer(config(tiny_run, "init_warm", init_from=path))
     assert resumed.step == warm.step
     assert all(torch.equal(v, params_of(warm)[k]) for k, v in params_of(resumed).items())
