@@ -7,10 +7,13 @@ cumulative survivals and handed to the planner with the cost table. A request wi
 counts as certain (c = 1) as far as its own confidences go, and is priced at the survival the
 population's rounds realise, which starts at 1 and learns; a request whose last round lies `age`
 steps back is priced between the two, its own weight halving every `half_life` undrafted steps,
-so old evidence fades instead of deciding for ever. The planner also leaves out of the drafter pass the requests whose
-drafts are not worth it (they decode one plain token); a request left out for its probe interval
-drafts again so that its confidences stay current, and each probe that does not convince the
-planner doubles that request's interval (up to 16x). Only information from earlier steps enters, so
+so old evidence fades instead of deciding for ever. The planner also leaves out of the drafter
+pass the requests whose drafts are not worth it (they decode one plain token); a request left out
+for its probe interval is due to draft again so that its confidences stay current, and each probe
+that does not convince the planner doubles that request's interval (up to 16x). A due probe runs
+only when the step would pay if the due requests were as good as the population's best rounds:
+where one more drafted request lengthens the step past a bucket (at 16 requests on this
+project's CPU, a third more time) probes cost more than they can find, and they wait. Only information from earlier steps enters, so
 the plan cannot depend on the drafts it will admit; which drafts fill the budget is decided on
 the device (worker/ragged.py, spec/allocate.py). Every step's wall time also goes back to the
 planner (`observe_step`), which prices later plans by what steps of their size took lately
@@ -39,6 +42,8 @@ from dspark.spec.sts import STSCalibration, host_survival
 
 logger = logging.getLogger(__name__)
 
+PROBE_QUANTILE = 0.25     # a due probe is priced as if its request were in the population's best quarter
+
 
 class ConfidenceScheduler:
     def __init__(self, table: CostTable, sts: STSCalibration | None, gamma: int, lag: int = 2,
@@ -56,6 +61,7 @@ class ConfidenceScheduler:
         self.plan_correction = OnlineSurvivalCorrection(gamma)   # priced by the planner vs realised
         self.cost_correction = CostCorrection() if cost_correction else None
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
+        self.declined_probes = 0         # due probes not run: not even a good case could pay
 
     def record(self, seq: Sequence, confidence_logits: list[float], verified: int, accepted: int) -> None:
         seq.confidence_history.append(confidence_logits)
@@ -97,9 +103,9 @@ class ConfidenceScheduler:
         stale = self._stale_survival(spec)
         survival = self.plan_correction.apply(stale)
         num_sampling = sum(1 for s in scheduled if s.sample)
-        probe = [s.seq.steps_without_draft >= self._interval(s.seq) for s in spec]
         scale = None if self.cost_correction is None else \
             self.cost_correction.scale(other, survival.size)
+        probe = self._admitted_probes(spec, survival, num_sampling, other, scale)
         plan = plan_step(survival, self.table, num_sampling, other, self.min_gain, probe, scale)
         chosen = plan_step(survival, self.table, num_sampling, other, self.min_gain,
                            cost_scale=scale).drafted if any(probe) else plan.drafted
@@ -122,6 +128,27 @@ class ConfidenceScheduler:
         if draft_requests:
             predicted += float(self.table.draft_costs([draft_requests])[0])
         self.cost_correction.observe(tokens, draft_requests > 0, predicted, measured_ms)
+
+    def _admitted_probes(self, spec: list[ScheduledRequest], survival: np.ndarray, num_sampling: int,
+                         other: int, scale) -> list[bool]:
+        """Which requests due a probe draft this step: those the planner would draft if every
+        due request were as good as the best quarter of the rounds the population verified
+        lately (survival min(1, realised / PROBE_QUANTILE) per position). A probe buys
+        information, and one that could not pay for the step it lengthens even then (a drafter
+        pass, and on a staircase of buckets often the next bucket) buys none worth having; due
+        requests wait until enough of them share a step that could pay. Declined probes are
+        counted."""
+        due = np.asarray([s.seq.steps_without_draft >= self._interval(s.seq) for s in spec])
+        if not due.any():
+            return due.tolist()
+        caps = np.asarray([s.verify_len for s in spec])
+        hope = np.minimum(1.0, self.correction.realised_survival / PROBE_QUANTILE)          # [γ]
+        best = np.where(np.arange(self.gamma)[None, :] < caps[:, None], hope[None, :], 0.0)  # [R, γ]
+        hopeful = np.where(due[:, None], best, survival)
+        admitted = due & np.asarray(plan_step(hopeful, self.table, num_sampling, other, self.min_gain,
+                                              cost_scale=scale, prefer_verify_all=False).drafted)
+        self.declined_probes += int(due.sum() - admitted.sum())
+        return admitted.tolist()
 
     def _interval(self, seq: Sequence) -> int:
         return self.probe_interval * seq.probe_backoff

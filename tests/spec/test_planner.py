@@ -202,3 +202,23 @@ def test_remembered_costs_are_read_only_and_follow_a_reassigned_list():
     assert t.draft_costs([[0, 2]]).shape == (1, 2)            # same values, another shape
     t.draft_ms = [0.0, 4.0, 8.0]
     assert t.draft_costs([0, 2]).tolist() == [0.0, 8.0]
+
+
+@pytest.mark.parametrize("kind", list(TABLES))
+def test_the_bound_that_skips_pricing_draft_sets_never_hides_a_plan_that_pays(kind):
+    """Where the one-pass bound says no draft set can beat a plain step by min_gain, pricing
+    every set finds none either; over weak to strong survivals both answers occur."""
+    import numpy as np
+    from dspark.spec.planner import _best_set, _drafting_cannot_pay
+    t, r, gamma, min_gain = table(kind), 6, 4, 0.05
+    skipped = []
+    for seed in range(12):
+        for strength in (0.01, 0.1, 0.5, 1.0):
+            s = (survivals(r, gamma, seed) * strength).numpy().astype(np.float64)
+            verify = t.verify_costs(r, r + r * gamma + 1)
+            ones, plain = np.ones(r * gamma + 1), r / float(verify[0])
+            skip = _drafting_cannot_pay(s, t, r, verify, ones, (1 + min_gain) * plain)
+            _, size, _, _ = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, ones, plain, min_gain)
+            assert size == 0 or not skip
+            skipped.append(skip)
+    assert any(skipped) and not all(skipped)

@@ -196,10 +196,10 @@ def test_a_steep_cost_table_trims_verification_losslessly(tmp_path_factory, targ
     assert trimmed.accepted_tokens <= verify_all.accepted_tokens
 
 
-def test_drafting_that_cannot_pay_is_skipped_but_probed(tmp_path_factory, target_dir, reference):
-    """A drafter pass priced at 100 target steps per request: the planner decodes plainly,
-    drafting a request only when it has gone its probe interval undrafted, an interval that
-    doubles after every futile probe; a free drafter is never skipped."""
+def test_drafting_that_cannot_pay_is_skipped(tmp_path_factory, target_dir, reference):
+    """A drafter pass priced at 100 target steps per request: the planner decodes plainly, and
+    no probe runs, since not even certain drafts could pay for one (each is counted as declined);
+    a free drafter is never skipped. The texts are the reference's either way."""
     d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
     prompts, params = workload(16)
 
@@ -213,22 +213,50 @@ def test_drafting_that_cannot_pay_is_skipped_but_probed(tmp_path_factory, target
                        cost_correction=False)           # the table's word, not the tiny model's
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == reference
-        return llm.engine.spec_stats, [o.spec for o in outs]
+        return llm.engine.spec_stats, llm.engine.confidence_scheduler
 
-    (dear, per_request), (free, _) = run(1000.0), run(1e-6)
-    assert free.undrafted_steps == 0 and free.draft_rounds > 0
-    assert dear.undrafted_steps > 0
-    def probes(steps: int, interval: int = 4) -> int:     # U x4, D, U x8, D, U x16, D, ...
-        drafted, run = 0, 0
-        for _ in range(steps):
-            if run >= interval:
-                drafted, run, interval = drafted + 1, 0, min(2 * interval, 4 * 16)
-            else:
-                run += 1
-        return drafted
+    (dear, dear_sched), (free, free_sched) = run(1000.0), run(1e-6)
+    assert free.undrafted_steps == 0 and free.draft_rounds > 0 and free_sched.declined_probes == 0
+    assert dear.draft_rounds == 0 and dear.undrafted_steps > 0 and dear_sched.declined_probes > 0
 
-    for spec in per_request:
-        assert spec.draft_rounds == probes(spec.draft_rounds + spec.undrafted_steps)
+
+def _population(sched, rounds: int, accepted: list[int]) -> None:
+    """Teach the scheduler's population `rounds` verified rounds of 2 drafts, cycling through
+    the accepted counts given."""
+    for i in range(rounds):
+        sched.correction.observe([0.5, 0.25], verified=2, accepted=accepted[i % len(accepted)])
+
+
+def test_futile_probes_double_the_probe_interval():
+    """Hopeless requests in a population whose best rounds would pay: each drafts after going
+    its probe interval undrafted, an interval that doubles after every probe that does not
+    convince the planner (up to 16x)."""
+    from types import SimpleNamespace
+    from dspark.engine.spec_schedule import ConfidenceScheduler
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [13.0] * 8, draft_ms=[0.0] + [1.0] * 4)
+    hopeless = [-9.0, -9.0]
+    sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=4,
+                                cost_correction=False)
+    _population(sched, 200, [2, 1, 0, 0, 0, 0, 0, 0, 0, 0])      # realises about [0.2, 0.1]
+    seqs = [SimpleNamespace(confidence_history=[hopeless], steps_without_draft=0, probe_backoff=1,
+                            planned_survival=None) for _ in range(4)]
+    batch = [SimpleNamespace(seq=s, spec=True, sample=True, verify_len=2, num_new_tokens=3) for s in seqs]
+    pattern = []
+    for _ in range(200):
+        pattern.append(sched.plan(batch).drafted)
+        for s, drafted in zip(seqs, pattern[-1]):
+            if drafted:
+                sched.record(s, hopeless, verified=2, accepted=0)
+    expected, run, interval = [], 0, 4                    # U x4, D, U x8, D, U x16, D, ...
+    for _ in range(200):
+        if run >= interval:
+            expected.append(True)
+            run, interval = 0, min(2 * interval, 4 * 16)
+        else:
+            expected.append(False)
+            run += 1
+    assert [step[0] for step in pattern] == expected and all(len(set(step)) == 1 for step in pattern)
+    assert sched.declined_probes == 0
 
 
 def test_schedule_configuration_errors(tmp_path_factory, target_dir):
@@ -331,3 +359,35 @@ def test_the_planner_learns_what_its_own_prices_realise():
     assert not any(plain.drafted) and plain.budget == 0
     assert all(drafted.drafted) and drafted.budget == 8
     assert honest.plan_correction.factors.min() > 0.9
+
+
+def test_a_probe_runs_only_when_a_good_case_pays():
+    """On a staircase where verifying past 4 tokens costs the next bucket, a single request due
+    a probe cannot pay for that bucket even if it were as good as the population's best rounds
+    (here: both drafts accepted): the probe waits and is counted as declined. Two due requests
+    together fill the bucket well enough: both probe. A population that accepts nothing gives
+    no probe a good case."""
+    from types import SimpleNamespace
+    from dspark.engine.spec_schedule import ConfidenceScheduler
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [14.0] * 8, draft_ms=[0.0] + [1.0] * 4)
+    hopeless = [-9.0, -9.0]
+
+    def plan(due: int, accepted: list[int]) -> tuple[ConfidenceScheduler, StepPlan, list]:
+        sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=4,
+                                    cost_correction=False)
+        _population(sched, 200, accepted)
+        seqs = [SimpleNamespace(confidence_history=[hopeless], steps_without_draft=4 if i < due else 0,
+                                probe_backoff=1, planned_survival=None) for i in range(4)]
+        batch = [SimpleNamespace(seq=s, spec=True, sample=True, verify_len=2, num_new_tokens=3)
+                 for s in seqs]
+        return sched, sched.plan(batch), seqs
+
+    good = [2, 1, 0, 0]                                   # realises [0.5, 0.25]: the best quarter, [1, 1]
+    lone, lone_plan, lone_seqs = plan(1, good)
+    assert not any(lone_plan.drafted) and lone.declined_probes == 1
+    assert lone_seqs[0].steps_without_draft == 5 and lone_seqs[0].probe_backoff == 1   # still due
+    pair, pair_plan, pair_seqs = plan(2, good)
+    assert pair_plan.drafted == [True, True, False, False] and pair.declined_probes == 0
+    assert pair_seqs[0].steps_without_draft == 0 and pair_seqs[0].probe_backoff == 2  # futile: backs off
+    barren, barren_plan, _ = plan(4, [0])
+    assert not any(barren_plan.drafted) and barren.declined_probes == 4
