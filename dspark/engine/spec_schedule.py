@@ -13,11 +13,11 @@ for its probe interval is due to draft again so that its confidences stay curren
 that does not convince the planner doubles that request's interval (up to 16x). A due probe runs
 only when the step would pay if the due requests were as good as the population's best rounds:
 where one more drafted request lengthens the step past a bucket (at 16 requests on this
-project's CPU, a third more time) probes cost more than they can find, and they wait. Only information from earlier steps enters, so
-the plan cannot depend on the drafts it will admit; which drafts fill the budget is decided on
-the device (worker/ragged.py, spec/allocate.py). Every step's wall time also goes back to the
-planner (`observe_step`), which prices later plans by what steps of their size took lately
-rather than by the table alone (spec/cost_correction.py).
+project's CPU, a third more time) probes cost more than they can find, and they wait. Only
+information from earlier steps enters, so the plan cannot depend on the drafts it will admit;
+which drafts fill the budget is decided on the device (worker/ragged.py, spec/allocate.py).
+Every step's wall time also goes back to the planner (`observe_step`), which prices later plans
+by what steps of their size took lately rather than by the table alone (spec/cost_correction.py).
 
 A second correction checks the planner against itself: what it priced each drafted request at
 (stale, faded confidences, before this correction) against what that round then accepted. The

@@ -149,8 +149,8 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     result is verify-all (every request drafts, R·γ verified) unless the plan is predicted to gain
     at least `min_gain` in tokens per millisecond (with `prefer_verify_all` off, the best plan
     stands on its own, as when judging whether a probe could pay); likewise a plan that drafts is
-    preferred to drafting nothing only when it gains `min_gain` over it. Steps larger than the table are priced
-    along its last measured slope. `cost_scale`, when given, multiplies each plan's predicted
+    preferred to drafting nothing only when it gains `min_gain` over it. Steps larger than the
+    table are priced along its last measured slope. `cost_scale`, when given, multiplies each plan's predicted
     cost by what steps of its kind and size took lately over what the table said
     (`CostCorrection.scale`).
     """
@@ -193,7 +193,8 @@ def _drafting_cannot_pay(s: np.ndarray, table: CostTable, num_sampling: int, ver
 
 
 def _best_set(s: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,
-              drafted_scale: np.ndarray, plain_rate: float, min_gain: float):
+              drafted_scale: np.ndarray, plain_rate: float, min_gain: float
+              ) -> tuple[np.ndarray, int, int, float]:
     """Every candidate draft set with its best budget: (rank of each request, set size, budget,
     rate) of the best, drafting nothing unless drafting beats a plain step by `min_gain`."""
     r_all, gamma = s.shape
