@@ -18,7 +18,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="spec: draft-training data folder (its held-out split)")
     p.add_argument("--num-prompts", type=int, default=8, help="spec: prompts per kind")
     p.add_argument("--sweep-concurrency", default="1,4,16,64",
-                   help="sweep: comma-separated numbers of requests decoded together")
+                   help="sweep: comma-separated numbers of requests in flight")
+    p.add_argument("--sweep-requests", type=int, default=8,
+                   help="sweep: requests per level at least (a level of concurrency c runs max(c, this))")
     p.add_argument("--png", default="bench_sweep.png", help="sweep: where to write the plot")
     p.add_argument("--graph-backends", default="eager,compile",
                    help="graphs: comma-separated backends to compare (eager, compile, cuda)")

@@ -1,8 +1,11 @@
 """`dspark bench --mode sweep`: output tokens/s by concurrency for plain decoding, DSpark
 verify-all and DSpark confidence-scheduled, in one run (interleaved, medians), plus a PNG.
 
-Concurrency c means c requests submitted together to the offline engine, each with the same
-prompt length and a fixed output length (greedy, ignore_eos). Prompts are held-out (or built-in)
+Concurrency c means at most c requests in flight in the offline engine, each with the same
+prompt length and a fixed output length (greedy, ignore_eos): a level runs max(c,
+--sweep-requests) requests and admits the next one as soon as one finishes, as a client holding
+c connections does (vLLM's `--max-concurrency`). So concurrency 1 decodes several prompts one
+after another, chat and code alike, rather than a single prompt's luck with the drafter. Prompts are held-out (or built-in)
 chat and code prompts cut or filled to the prompt length from the front, so each still ends where
 its answer starts and acceptance stays realistic.
 """
@@ -44,10 +47,19 @@ def _engines(args, max_seqs: int) -> dict:
     return engines
 
 
-def _tokens_per_s(llm, prompts, params) -> float:
+def _tokens_per_s(llm, prompts, params, concurrency: int) -> float:
+    """Output tokens/s decoding `prompts` with at most `concurrency` of them in flight."""
+    engine, pending, in_flight, tokens = llm.engine, list(prompts), 0, 0
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    while pending or engine.has_unfinished:
+        while pending and in_flight < concurrency:
+            engine.add_request(pending.pop(0), params)
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                tokens += len(out.token_ids)
+    return tokens / (time.perf_counter() - start)
 
 
 def plot_sweep(levels: list[int], medians: dict[str, list[float]], path: str) -> str:
@@ -81,19 +93,21 @@ def run_sweep_bench(args) -> dict:
     medians: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     drafted_share = []              # scheduled: decode steps that drafted, of all decode steps
     for c in levels:
-        prompts = fixed_length(pool, args.input_tokens, c)
+        prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
         runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
         for llm in engines.values():
-            llm.generate(prompts, warm)
+            llm.generate(prompts[:c], warm)
         engines["scheduled"].engine.reset_spec_stats()
         for _ in range(args.repetitions):
             for name in SYSTEMS:                   # interleaved: drift hits every system alike
-                runs[name].append(_tokens_per_s(engines[name], prompts, params))
+                runs[name].append(_tokens_per_s(engines[name], prompts, params, c))
         for name in SYSTEMS:
             medians[name].append(statistics.median(runs[name]))
         stats = engines["scheduled"].engine.spec_stats
         drafted_share.append(stats.draft_rounds / max(1, stats.draft_rounds + stats.undrafted_steps))
     png = plot_sweep(levels, medians, args.png)
+    print(f"{args.output_tokens} tokens from each of max(c, {args.sweep_requests}) requests of "
+          f"{args.input_tokens} prompt tokens, at most c in flight; medians of {args.repetitions}")
     print("concurrency | plain tok/s | verify-all tok/s | scheduled tok/s | scheduled / best other "
           "| scheduled: steps that drafted")
     print("---|---|---|---|---|---")
@@ -104,7 +118,8 @@ def run_sweep_bench(args) -> dict:
         print(f"{c} | {medians['plain'][i]:.1f} | {medians['verify-all'][i]:.1f} | "
               f"{medians['scheduled'][i]:.1f} | {ratios[-1]:.2f}x | {drafted_share[i]:.0%}")
     print(f"plot: {png}")
-    report = {"bench": "sweep", "levels": levels, "input_tokens": args.input_tokens,
+    report = {"bench": "sweep", "levels": levels, "requests_per_level": [max(c, args.sweep_requests) for c in levels],
+              "input_tokens": args.input_tokens,
               "output_tokens": args.output_tokens, "repetitions": args.repetitions,
               "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in medians.items()},
               "scheduled_over_best_other": [round(r, 3) for r in ratios],

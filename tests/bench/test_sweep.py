@@ -3,7 +3,8 @@
 import json
 import types
 
-from dspark.bench.sweep import SYSTEMS, fixed_length, run_sweep_bench
+from dspark import LLM, SamplingParams
+from dspark.bench.sweep import SYSTEMS, _tokens_per_s, fixed_length, run_sweep_bench
 from tiny import save_random_drafter, save_tiny
 
 
@@ -19,12 +20,32 @@ def test_sweep_reports_every_system_at_every_level(tmp_path, capsys):
     save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
     args = types.SimpleNamespace(
         model=str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", threads=None,
-        sweep_concurrency="1,3", repetitions=1, input_tokens=6, output_tokens=5, data=None,
+        sweep_concurrency="1,3", sweep_requests=4, repetitions=1, input_tokens=6, output_tokens=5, data=None,
         cost_table=None, min_gain=0.05, png=str(tmp_path / "sweep.png"), graph="eager",
         prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
     report = run_sweep_bench(args)
-    assert report["levels"] == [1, 3] and set(report["tokens_per_s"]) == set(SYSTEMS)
+    assert report["levels"] == [1, 3] and report["requests_per_level"] == [4, 4] and set(report["tokens_per_s"]) == set(SYSTEMS)
     assert all(len(v) == 2 and min(v) > 0 for v in report["tokens_per_s"].values())
     assert (tmp_path / "sweep.png").stat().st_size > 5000
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == report
+
+
+def test_a_level_keeps_at_most_c_requests_in_flight_and_runs_them_all(tmp_path):
+    """Concurrency c is a cap on requests in flight, as a client with c connections: the next
+    request enters when one finishes, and every request runs to its full length."""
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=2, seed=3)
+    llm = LLM(str(tmp_path / "t"), drafter=None, dtype="float32", max_num_seqs=8, graph="eager")
+    scheduler, step = llm.engine.scheduler, llm.engine.step
+    in_flight, finished_lengths = [], []
+
+    def observed_step():
+        in_flight.append(len(scheduler.running) + len(scheduler.waiting))
+        outs = step()
+        finished_lengths.extend(len(o.token_ids) for o in outs if o.finished)
+        return outs
+    llm.engine.step = observed_step
+    prompts = [[3, 4, 5 + i] for i in range(5)]
+    assert _tokens_per_s(llm, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), 2) > 0
+    assert max(in_flight) == 2 and finished_lengths == [6] * 5
+    assert not llm.engine.has_unfinished
