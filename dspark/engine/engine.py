@@ -260,8 +260,8 @@ class Engine:
         parallel ranks agree on the shapes of their prepared steps before running them."""
         plans = []
 
-        def plan_running(running: list[ScheduledRequest]) -> None:
-            plan = self.confidence_scheduler.plan(running)
+        def plan_running(running: list[ScheduledRequest], joining_tokens: int) -> None:
+            plan = self.confidence_scheduler.plan(running, joining_tokens)
             if plan is not None:
                 self._leave_undrafted(running, plan.drafted)
             plans.append(plan)

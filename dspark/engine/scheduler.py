@@ -8,6 +8,7 @@ freed and it re-enters the queue at the front, to be prefilled again over prompt
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -62,12 +63,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, plan_running: Callable[[list[ScheduledRequest]], None] | None = None
+    def schedule(self, plan_running: Callable[[list[ScheduledRequest], int], None] | None = None
                  ) -> SchedulerOutput:
         """Running requests first (decode, speculative blocks, prefill chunks), then waiting ones
         with the token budget left. `plan_running` sees the running requests' items before any
         waiting request is admitted and may shrink them (a speculative block the verify planner
-        leaves undrafted becomes one plain token), so the tokens it gives back go to prefill."""
+        leaves undrafted becomes one plain token), so the tokens it gives back go to prefill. It
+        also gets the prompt tokens the waiting requests would add were nothing drafted: the
+        step the planner prices drafts on."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         for seq in list(self.running):
@@ -81,10 +84,18 @@ class Scheduler:
             out.scheduled.append(item)
             budget -= item.num_new_tokens
         if plan_running is not None and out.scheduled:
-            plan_running(out.scheduled)
+            plain = sum(1 if s.spec else s.num_new_tokens for s in out.scheduled)
+            plan_running(out.scheduled, self._joining_tokens(self.config.max_num_batched_tokens - plain))
             budget = self.config.max_num_batched_tokens - out.num_tokens
         self._admit_waiting(out, budget)
         return out
+
+    def _joining_tokens(self, budget: int) -> int:
+        """The prompt tokens the waiting requests would bring with `budget` tokens left (sequence
+        slots counted, KV blocks not: an estimate for pricing, made before the planner runs)."""
+        free = max(0, self.config.max_num_seqs - len(self.running))
+        wanted = sum(seq.num_tokens - seq.num_computed_tokens for seq in itertools.islice(self.waiting, free))
+        return min(wanted, max(0, budget))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -88,27 +88,29 @@ class ConfidenceScheduler:
         caps = np.asarray([s.verify_len for s in spec])
         return np.where(np.arange(self.gamma)[None, :] >= caps[:, None], 0.0, survival)
 
-    def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan | None:
-        """Which speculative requests draft and how many drafts are verified; None: verify all."""
+    def plan(self, scheduled: list[ScheduledRequest], joining_tokens: int = 0) -> StepPlan | None:
+        """Which speculative requests draft and how many drafts are verified; None: verify all.
+        `joining_tokens` of waiting requests' prefill will join the step (see `plan_step`)."""
         spec = [s for s in scheduled if s.spec]
         if not spec:
             return None
         other = sum(s.num_new_tokens for s in scheduled if not s.spec) + len(spec)
-        if len(spec) > self.table.max_requests or other + 1 > self.table.max_tokens:
+        if len(spec) > self.table.max_requests or other + joining_tokens + 1 > self.table.max_tokens:
             if self.oversize_steps == 0:
                 logger.warning("a step is larger than the cost table (%d requests, %d tokens); "
                                "pricing it along the table's last slope (counted in oversize_steps)",
-                               len(spec), other)
+                               len(spec), other + joining_tokens)
             self.oversize_steps += 1
         stale = self._stale_survival(spec)
         survival = self.plan_correction.apply(stale)
         num_sampling = sum(1 for s in scheduled if s.sample)
         scale = None if self.cost_correction is None else \
-            self.cost_correction.scale(other, survival.size)
-        probe = self._admitted_probes(spec, survival, num_sampling, other, scale)
-        plan = plan_step(survival, self.table, num_sampling, other, self.min_gain, probe, scale)
-        chosen = plan_step(survival, self.table, num_sampling, other, self.min_gain,
-                           cost_scale=scale).drafted if any(probe) else plan.drafted
+            self.cost_correction.scale(other, survival.size, joining_tokens)
+        probe = self._admitted_probes(spec, survival, num_sampling, other, scale, joining_tokens)
+        plan = plan_step(survival, self.table, num_sampling, other, self.min_gain, probe, scale,
+                         joining_tokens=joining_tokens)
+        chosen = plan_step(survival, self.table, num_sampling, other, self.min_gain, cost_scale=scale,
+                           joining_tokens=joining_tokens).drafted if any(probe) else plan.drafted
         for s, priced, drafted, probed, wanted in zip(spec, stale, plan.drafted, probe, chosen):
             seq = s.seq
             seq.steps_without_draft = 0 if drafted else seq.steps_without_draft + 1
@@ -130,7 +132,7 @@ class ConfidenceScheduler:
         self.cost_correction.observe(tokens, draft_requests > 0, predicted, measured_ms)
 
     def _admitted_probes(self, spec: list[ScheduledRequest], survival: np.ndarray, num_sampling: int,
-                         other: int, scale) -> list[bool]:
+                         other: int, scale, joining_tokens: int) -> list[bool]:
         """Which requests due a probe draft this step: those the planner would draft if every
         due request were as good as the best quarter of the rounds the population verified
         lately (survival min(1, realised / PROBE_QUANTILE) per position). A probe buys
@@ -146,7 +148,8 @@ class ConfidenceScheduler:
         best = np.where(np.arange(self.gamma)[None, :] < caps[:, None], hope[None, :], 0.0)  # [R, γ]
         hopeful = np.where(due[:, None], best, survival)
         admitted = due & np.asarray(plan_step(hopeful, self.table, num_sampling, other, self.min_gain,
-                                              cost_scale=scale, prefer_verify_all=False).drafted)
+                                              cost_scale=scale, prefer_verify_all=False,
+                                              joining_tokens=joining_tokens).drafted)
         self.declined_probes += int(due.sum() - admitted.sum())
         return admitted.tolist()
 

@@ -99,11 +99,12 @@ class CostCorrection:
                 ratios[kind] = ratios[kind, nearest]
         return ratios
 
-    def scale(self, other_tokens: int, max_budget: int) -> CostScale:
-        """The factors for a step of `other_tokens` plus a verify budget of 0..max_budget."""
+    def scale(self, other_tokens: int, max_budget: int, joining_tokens: int = 0) -> CostScale:
+        """The factors for a step of `other_tokens` plus a verify budget of 0..max_budget (drafted
+        steps also carry `joining_tokens` of prefill; the plain one is judged without them)."""
         ratios = self.ratios
         return CostScale(plain=float(ratios[PLAIN, size_class(other_tokens)]),
-                         drafted=ratios[DRAFTED, _classes(other_tokens, max_budget)])
+                         drafted=ratios[DRAFTED, _classes(other_tokens + joining_tokens, max_budget)])
 
 
 @functools.lru_cache(maxsize=256)

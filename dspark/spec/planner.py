@@ -136,7 +136,8 @@ class StepPlan:
 
 def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_sampling: int, other_tokens: int,
               min_gain: float = 0.05, forced: list[bool] | None = None,
-              cost_scale: CostScale | None = None, prefer_verify_all: bool = True) -> StepPlan:
+              cost_scale: CostScale | None = None, prefer_verify_all: bool = True,
+              joining_tokens: int = 0) -> StepPlan:
     """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan.
 
     Besides the budget, the plan picks which requests draft at all: a drafter pass has a cost of
@@ -153,6 +154,12 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     table are priced along its last measured slope. `cost_scale`, when given, multiplies each plan's predicted
     cost by what steps of its kind and size took lately over what the table said
     (`CostCorrection.scale`).
+
+    `joining_tokens` of prefill join the step whatever is drafted. Drafts are priced at what they
+    add on top of them (often nothing past the drafter pass: the prefill's bucket has room), but
+    judged against the plain decode step without them: the prefill is paid for by its own
+    requests, and a step's tokens per millisecond with it inside would make any draft look cheap
+    next to a step that yields little.
     """
     r_all, gamma = survival.shape
     full = r_all * gamma
@@ -162,7 +169,7 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
         survival = survival.detach().cpu().double().numpy()
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
     must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
-    verify = table.verify_costs(other_tokens, other_tokens + full + 1)                    # [B]
+    verify = _verify_on_top(table, other_tokens, joining_tokens, full)                     # [B]
     drafted_scale = np.ones(full + 1) if cost_scale is None else np.asarray(cost_scale.drafted, np.float64)
     plain_rate = num_sampling / (verify[0] * (1.0 if cost_scale is None else cost_scale.plain))
     full_rate = (num_sampling + s.sum()) / ((table.draft_costs([r_all])[0] + verify[full]) * drafted_scale[full])
@@ -175,6 +182,16 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     if prefer_verify_all and not (best_rate > full_rate and best_rate >= (1.0 + min_gain) * full_rate):
         size, budget = r_all, full
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
+
+
+def _verify_on_top(table: CostTable, other_tokens: int, joining_tokens: int, full: int) -> np.ndarray:
+    """[full + 1] the step's verify cost with b = 0..full drafts: the decode step's own cost plus
+    what the drafts add on top of `joining_tokens` of prefill."""
+    if joining_tokens <= 0:
+        return table.verify_costs(other_tokens, other_tokens + full + 1)
+    start = other_tokens + joining_tokens
+    joined = table.verify_costs(start, start + full + 1)
+    return joined - joined[0] + table.verify_costs(other_tokens, other_tokens + 1)[0]
 
 
 def _drafting_cannot_pay(s: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,

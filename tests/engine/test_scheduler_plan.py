@@ -36,8 +36,9 @@ def test_undrafted_blocks_give_their_tokens_to_prefill():
         running = [decoding("a"), decoding("b")]
         seen = []
 
-        def undraft(items):
+        def undraft(items, joining):
             seen.append([(s.seq.request_id, s.spec, s.num_new_tokens) for s in items])
+            seen.append(joining)
             for s in items:
                 s.spec, s.verify_len, s.num_new_tokens = False, 0, 1
 
@@ -46,5 +47,23 @@ def test_undrafted_blocks_give_their_tokens_to_prefill():
         chunks = {s.seq.request_id: s.num_new_tokens for s in out.scheduled}
         assert chunks["new"] == prefill and out.num_tokens == BUDGET
         if plan:     # the planner saw only the running blocks, at their full reservation
-            assert seen == [[("a", True, 1 + GAMMA), ("b", True, 1 + GAMMA)]]
+            # ... and the prefill that would join the step were nothing drafted: what then joined it
+            assert seen == [[("a", True, 1 + GAMMA), ("b", True, 1 + GAMMA)],
+                            prefill]
             assert chunks["a"] == chunks["b"] == 1
+
+
+def test_the_joining_prefill_counts_free_slots_and_the_budget_left():
+    """Waiting requests join while sequence slots and step tokens last."""
+    def joining(max_num_seqs: int, step_tokens: int) -> int:
+        sched = scheduler_with([decoding("a"), decoding("b")], Sequence("short", [5, 6, 7], SamplingParams()))
+        sched.add(Sequence("long", list(range(40)), SamplingParams()))
+        sched.add(Sequence("third", [8, 9], SamplingParams()))
+        sched.config.max_num_seqs, sched.config.max_num_batched_tokens = max_num_seqs, step_tokens
+        seen = []
+        sched.schedule(lambda items, joining_tokens: seen.append(joining_tokens))
+        return seen[0]
+    assert joining(4, BUDGET) == BUDGET - 2             # two free slots, the budget left binds
+    assert joining(4, 64) == 3 + 40                     # two free slots: "third" cannot join
+    assert joining(8, 64) == 3 + 40 + 2
+    assert joining(2, 64) == 0                          # no free slot

@@ -222,3 +222,21 @@ def test_the_bound_that_skips_pricing_draft_sets_never_hides_a_plan_that_pays(ki
             assert size == 0 or not skip
             skipped.append(skip)
     assert any(skipped) and not all(skipped)
+
+
+def test_drafts_on_a_prefill_step_are_priced_on_top_and_judged_against_decoding():
+    """A prefill joining the step is paid for either way. Drafts riding in the room its bucket
+    leaves cost only the drafter pass, and draft; drafts that each add target time must beat
+    the plain decode step's own tokens per millisecond, not the step's with the prefill inside
+    (which yields little and would make any draft look cheap)."""
+    verify = [0.0] + [10.0] * 8 + [16.0] * 8 + [40.0] * 48 + [40.0 + t for t in range(1, 65)]
+    t = CostTable(fingerprint={}, verify_ms=verify, draft_ms=[0.0] + [1.0] * 4)
+    s = torch.tensor([[0.3, 0.09]] * 4)                  # 4 decoding requests, γ = 2
+    alone = plan_step(s, t, num_sampling=4, other_tokens=4)
+    assert all(alone.drafted) and alone.budget == 4      # the 8-token bucket has room for 4
+    roomy = plan_step(s, t, num_sampling=4, other_tokens=4, joining_tokens=40)
+    assert roomy.verify_all                              # 44 + 8 tokens still cost 40 ms
+    linear = plan_step(s, t, num_sampling=4, other_tokens=4, joining_tokens=60)
+    assert not any(linear.drafted) and linear.budget == 0
+    # priced with the prefill inside the step's own rate, the same drafts would look worth it
+    assert plan_step(s, t, num_sampling=4, other_tokens=64).verify_all

@@ -20,7 +20,7 @@ class ForcedBudget:
     def __init__(self, budget: int, skip_every: int = 0):
         self.budget_value, self.skip_every, self.steps, self.seen = budget, skip_every, [], 0
 
-    def plan(self, scheduled):
+    def plan(self, scheduled, joining=None):
         spec = [s for s in scheduled if s.spec]
         if not spec:
             return None
