@@ -5,9 +5,9 @@ Concurrency c means at most c requests in flight in the offline engine, each wit
 prompt length and a fixed output length (greedy, ignore_eos): a level runs max(c,
 --sweep-requests) requests and admits the next one as soon as one finishes, as a client holding
 c connections does (vLLM's `--max-concurrency`). So concurrency 1 decodes several prompts one
-after another, chat and code alike, rather than a single prompt's luck with the drafter. Prompts are held-out (or built-in)
-chat and code prompts cut or filled to the prompt length from the front, so each still ends where
-its answer starts and acceptance stays realistic.
+after another, chat and code alike, rather than a single prompt's luck with the drafter.
+Prompts are held-out (or built-in) chat and code prompts cut or filled to the prompt length from
+the front, so each still ends where its answer starts and acceptance stays realistic.
 """
 
 from __future__ import annotations
@@ -118,9 +118,10 @@ def run_sweep_bench(args) -> dict:
         print(f"{c} | {medians['plain'][i]:.1f} | {medians['verify-all'][i]:.1f} | "
               f"{medians['scheduled'][i]:.1f} | {ratios[-1]:.2f}x | {drafted_share[i]:.0%}")
     print(f"plot: {png}")
-    report = {"bench": "sweep", "levels": levels, "requests_per_level": [max(c, args.sweep_requests) for c in levels],
-              "input_tokens": args.input_tokens,
-              "output_tokens": args.output_tokens, "repetitions": args.repetitions,
+    report = {"bench": "sweep", "levels": levels,
+              "requests_per_level": [max(c, args.sweep_requests) for c in levels],
+              "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
+              "repetitions": args.repetitions,
               "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in medians.items()},
               "scheduled_over_best_other": [round(r, 3) for r in ratios],
               "scheduled_drafted_share": [round(d, 3) for d in drafted_share], "plot": png}

@@ -20,7 +20,7 @@ class ForcedBudget:
     def __init__(self, budget: int, skip_every: int = 0):
         self.budget_value, self.skip_every, self.steps, self.seen = budget, skip_every, [], 0
 
-    def plan(self, scheduled, joining=None):
+    def plan(self, scheduled, joining_tokens=0):
         spec = [s for s in scheduled if s.spec]
         if not spec:
             return None
@@ -391,3 +391,22 @@ def test_a_probe_runs_only_when_a_good_case_pays():
     assert pair_seqs[0].steps_without_draft == 0 and pair_seqs[0].probe_backoff == 2  # futile: backs off
     barren, barren_plan, _ = plan(4, [0])
     assert not any(barren_plan.drafted) and barren.declined_probes == 4
+
+
+def test_the_scheduler_prices_drafts_on_top_of_the_prefill_that_joins():
+    """The same requests and confidences draft in a decode step whose bucket has room, and
+    decode plainly when a prefill joins and every draft would add target time."""
+    from types import SimpleNamespace
+    from dspark.engine.spec_schedule import ConfidenceScheduler
+    verify = [0.0] + [10.0] * 8 + [10.0 + 2.0 * t for t in range(1, 120)]   # 2 ms a token past 8
+    table = CostTable(fingerprint={}, verify_ms=verify, draft_ms=[0.0] + [1.0] * 4)
+    z = math.log(0.3 / 0.7)                               # c = 0.3: survival [0.3, 0.09]
+    sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=10**6,
+                                cost_correction=False)
+    batch = [SimpleNamespace(seq=SimpleNamespace(confidence_history=[[z, z]], steps_without_draft=0,
+                                                 probe_backoff=1, planned_survival=None),
+                             spec=True, sample=True, verify_len=2, num_new_tokens=3) for _ in range(4)]
+    alone = sched.plan(batch)
+    assert all(alone.drafted) and alone.budget == 4       # 4 + 4 tokens: the same 10 ms
+    joined = sched.plan(batch, joining_tokens=60)
+    assert not any(joined.drafted) and joined.budget == 0
