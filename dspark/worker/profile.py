@@ -6,7 +6,8 @@ row, padded to the bucket as the engine pads it); draft cost for every request
 count 1..R_max as one drafter proposal plus the drafter's context append of those requests'
 verify rows (γ+1 each): both are what a step that drafts pays and a plain step does not (the
 append is about a fifth of the drafter's share of a one-request step on a 2-core CPU). Both
-at a realistic context length, median of N timed calls after warm-up, then made monotone (a
+at a realistic context length, median of N rounds that time every size once each, after
+warm-up, then made monotone (a
 larger step never costs less: the noise of a shared machine must not make the planner chase
 phantom dips). The engine must be idle: profiling writes scratch K/V into blocks no request
 owns yet.
@@ -39,15 +40,24 @@ class ProfileConfig:
     token_stride: int = 1         # measure t = 1, s, 2s, ...; a size in between costs the next one
 
 
-def _timed(fn, cfg: ProfileConfig) -> float:
-    for _ in range(cfg.warmup):
-        fn()
-    samples = []
+def _timed_in_rounds(fns: list, cfg: ProfileConfig, bar) -> list[float]:
+    """The median time of each of `fns` over `cfg.repeats` rounds that call every one once, in
+    turn, after `cfg.warmup` calls each. On a shared machine load comes and goes over seconds:
+    timed back to back, one size's repeats can sit inside a burst and the table gets a step that
+    is not there (64 tokens measured at 33.5, 55.6 and 40.1 ms in three runs of one hour here);
+    in rounds a burst reaches every size alike, and the table's shape, which is what the planner
+    compares, survives it."""
+    for fn in fns:
+        for _ in range(cfg.warmup):
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(cfg.repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+        for fn, times in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        bar.update(1)
+    return [statistics.median(times) for times in samples]
 
 
 def _tables(worker: Worker, num_requests: int, context_len: int, rows: int) -> list[list[int]]:
@@ -121,19 +131,15 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
         raise ValueError("profiling prices speculative steps: the engine needs a drafter")
     gamma = worker.drafter.config.block_size
     sizes = _token_sizes(worker, cfg)
-    bar = tqdm(total=len(sizes) + cfg.max_requests, desc="profile", disable=not use_tqdm)
-    measured = {}
-    for t in sizes:
-        measured[t] = _timed(_verify_fn(worker, t, gamma, cfg.context_len), cfg)
-        bar.update(1)
+    bar = tqdm(total=2 * cfg.repeats, desc="profile rounds", disable=not use_tqdm)
+    timed = _timed_in_rounds([_verify_fn(worker, t, gamma, cfg.context_len) for t in sizes], cfg, bar)
+    measured = dict(zip(sizes, timed))
     verify = [measured[min(m for m in sizes if m >= t)] for t in range(1, cfg.max_tokens + 1)]
-    draft = []
-    for r in range(1, cfg.max_requests + 1):
-        draft.append(_timed(_draft_fn(worker, r, cfg.context_len), cfg))
-        bar.update(1)
+    draft = _timed_in_rounds([_draft_fn(worker, r, cfg.context_len) for r in range(1, cfg.max_requests + 1)],
+                             cfg, bar)
     bar.close()
     return CostTable(fingerprint=fingerprint, verify_ms=[0.0] + monotone(verify),
                      draft_ms=[0.0] + monotone(draft), context_len=cfg.context_len,
-                     method=f"median of {cfg.repeats} after {cfg.warmup} warm-up, every "
+                     method=f"median of {cfg.repeats} rounds after {cfg.warmup} warm-up, every "
                             f"{cfg.token_stride} tokens, made monotone; draft cost with the "
                             f"context append")

@@ -90,3 +90,23 @@ def test_draft_cost_includes_the_context_append(tmp_path, monkeypatch):
     assert sorted(set(appended)) == [4, 8] and len(appended) == 2
     assert table.draft_ms[1] >= 30.0 and table.draft_ms[2] >= 30.0
     assert table.verify_ms[4] < 30.0                      # the verify forward does not append
+
+
+def test_a_burst_of_load_reaches_every_size_alike(monkeypatch):
+    """Sizes are timed in rounds, once each per round: a burst of load as long as several calls
+    (here 10x for five calls in a row) costs each size at most two of its five samples, so every
+    median is the size's true cost; timed back to back, one size would take the whole burst."""
+    import types
+    import dspark.worker.profile as profile
+    clock = types.SimpleNamespace(now=0.0, calls=0)
+
+    def work(ms: float):
+        def fn():
+            clock.calls += 1
+            clock.now += ms / 1e3 * (10.0 if 6 <= clock.calls < 11 else 1.0)
+        return fn
+    monkeypatch.setattr(profile, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    bar = types.SimpleNamespace(update=lambda n: None)
+    cfg = ProfileConfig(repeats=5, warmup=1)
+    assert profile._timed_in_rounds([work(1.0), work(2.0), work(3.0), work(4.0)], cfg, bar) == \
+        pytest.approx([1.0, 2.0, 3.0, 4.0])
