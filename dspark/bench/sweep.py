@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
+
+from dspark.bench.closed_loop import closed_loop
 
 SYSTEMS = ("plain", "verify-all", "scheduled")
 
@@ -45,21 +46,6 @@ def _engines(args, max_seqs: int) -> dict:
                                cost_table=args.cost_table or "auto", min_gain=args.min_gain,
                                cost_correction=not getattr(args, "no_cost_correction", False), **common)
     return engines
-
-
-def _tokens_per_s(llm, prompts, params, concurrency: int) -> float:
-    """Output tokens/s decoding `prompts` with at most `concurrency` of them in flight."""
-    engine, pending, in_flight, tokens = llm.engine, list(prompts), 0, 0
-    start = time.perf_counter()
-    while pending or engine.has_unfinished:
-        while pending and in_flight < concurrency:
-            engine.add_request(pending.pop(0), params)
-            in_flight += 1
-        for out in engine.step():
-            if out.finished:
-                in_flight -= 1
-                tokens += len(out.token_ids)
-    return tokens / (time.perf_counter() - start)
 
 
 def plot_sweep(levels: list[int], medians: dict[str, list[float]], path: str) -> str:
@@ -100,7 +86,7 @@ def run_sweep_bench(args) -> dict:
         engines["scheduled"].engine.reset_spec_stats()
         for _ in range(args.repetitions):
             for name in SYSTEMS:                   # interleaved: drift hits every system alike
-                runs[name].append(_tokens_per_s(engines[name], prompts, params, c))
+                runs[name].append(closed_loop(engines[name].engine, prompts, params, c)["tokens_per_s"])
         for name in SYSTEMS:
             medians[name].append(statistics.median(runs[name]))
         stats = engines["scheduled"].engine.spec_stats

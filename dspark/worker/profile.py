@@ -7,9 +7,8 @@ count 1..R_max as one drafter proposal plus the drafter's context append of thos
 verify rows (γ+1 each): both are what a step that drafts pays and a plain step does not (the
 append is about a fifth of the drafter's share of a one-request step on a 2-core CPU). Both
 at a realistic context length, median of N rounds that time every size once each, after
-warm-up, then made monotone (a
-larger step never costs less: the noise of a shared machine must not make the planner chase
-phantom dips). The engine must be idle: profiling writes scratch K/V into blocks no request
+warm-up, then made monotone (a larger step never costs less: the noise of a shared machine must
+not make the planner chase phantom dips). The engine must be idle: profiling writes scratch K/V into blocks no request
 owns yet.
 """
 

@@ -4,7 +4,8 @@ import json
 import types
 
 from dspark import LLM, SamplingParams
-from dspark.bench.sweep import SYSTEMS, _tokens_per_s, fixed_length, run_sweep_bench
+from dspark.bench.closed_loop import closed_loop
+from dspark.bench.sweep import SYSTEMS, fixed_length, run_sweep_bench
 from tiny import save_random_drafter, save_tiny
 
 
@@ -47,6 +48,7 @@ def test_a_level_keeps_at_most_c_requests_in_flight_and_runs_them_all(tmp_path):
         return outs
     llm.engine.step = observed_step
     prompts = [[3, 4, 5 + i] for i in range(5)]
-    assert _tokens_per_s(llm, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), 2) > 0
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert closed_loop(llm.engine, prompts, params, 2)["tokens_per_s"] > 0
     assert max(in_flight) == 2 and finished_lengths == [6] * 5
     assert not llm.engine.has_unfinished
