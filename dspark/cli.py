@@ -109,9 +109,11 @@ def cmd_calibrate(args) -> None:
     cal = run_calibration(llm, prompts, params, dataset=args.data or "built-in prompts")
     cal.save(args.out)
     print(f"{cal.num_samples} rounds; wrote {args.out}")
-    print("position | T | offset | ECE before | ECE after | held-out quarter: before | after")
+    print("ECE floor: what a perfectly calibrated predictor shows on as many rounds (sampling noise)")
+    print("position | T | offset | ECE before | ECE after | floor | held-out quarter: before | after | floor")
     for k, row in enumerate(zip(cal.temperatures, cal.offset_list(), cal.ece_before, cal.ece_after,
-                                cal.ece_heldout_before, cal.ece_heldout_after)):
+                                cal.ece_floor_after, cal.ece_heldout_before, cal.ece_heldout_after,
+                                cal.ece_floor_heldout)):
         print(f"{k + 1} | {row[0]:.3f} | {row[1]:+.1f} | " + " | ".join(f"{x:.2%}" for x in row[2:]))
 
 

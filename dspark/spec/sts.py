@@ -32,6 +32,10 @@ class STSCalibration:
     # the same, for temperatures fitted on 3/4 of the rounds and scored on the other quarter
     ece_heldout_before: list[float] = field(default_factory=list)
     ece_heldout_after: list[float] = field(default_factory=list)
+    # the ECE a perfectly calibrated predictor would show on as many rounds (`ece_floor`): what
+    # `ece_after` and `ece_heldout_after` can be told apart from at all
+    ece_floor_after: list[float] = field(default_factory=list)
+    ece_floor_heldout: list[float] = field(default_factory=list)
     num_samples: int = 0
     sampling_temperature: float = 0.0               # the temperature the records were taken at
     dataset: str = ""
@@ -140,6 +144,22 @@ def _fit_position(z: torch.Tensor, label: torch.Tensor, prefix: torch.Tensor, gr
     return float(grid[ti]), float(offsets[bi])
 
 
+def ece_floor(pred: torch.Tensor, bins: int = 20, draws: int = 200, seed: int = 0) -> float:
+    """The mean ECE of `pred` [N] against labels drawn from `pred` itself: the error a perfectly
+    calibrated predictor shows on N samples from sampling noise alone. An ECE near it is as small
+    as N rounds can show; one well above it is miscalibration."""
+    pred = pred.float().clamp(0, 1)
+    labels = torch.bernoulli(pred.expand(draws, -1), generator=torch.Generator().manual_seed(seed))
+    index = (pred * bins).long().clamp(max=bins - 1)                                    # [N]
+    conf = torch.zeros(bins).index_add_(0, index, pred)                                 # [bins]
+    hits = torch.zeros(draws, bins).index_add_(1, index, labels)                        # [draws, bins]
+    return float(((conf[None] - hits).abs().sum(-1) / max(pred.shape[0], 1)).mean())
+
+
+def _per_position_floor(survivals: torch.Tensor) -> list[float]:
+    return [ece_floor(survivals[:, k], seed=k) for k in range(survivals.shape[1])]
+
+
 def _per_position_ece(survivals: torch.Tensor, labels: torch.Tensor) -> list[float]:
     return [ece(survivals[:, k], labels[:, k]) for k in range(survivals.shape[1])]
 
@@ -154,13 +174,16 @@ def calibrate(logits: torch.Tensor, labels: torch.Tensor, sampling_temperature: 
     perm = torch.randperm(logits.shape[0], generator=torch.Generator().manual_seed(seed))
     fit, test = perm[:logits.shape[0] * 3 // 4], perm[logits.shape[0] * 3 // 4:]
     split_temps, split_offsets = map(torch.tensor, fit_sts(logits[fit], labels[fit]))
+    after = survival(logits, torch.tensor(temps), torch.tensor(offsets))                 # [N, γ]
+    heldout_after = survival(logits[test], split_temps, split_offsets)
     return STSCalibration(
         temperatures=temps, offsets=offsets,
         ece_before=_per_position_ece(survival(logits, ones), labels),
-        ece_after=_per_position_ece(survival(logits, torch.tensor(temps), torch.tensor(offsets)), labels),
+        ece_after=_per_position_ece(after, labels),
         ece_heldout_before=_per_position_ece(survival(logits[test], ones), labels[test]),
-        ece_heldout_after=_per_position_ece(survival(logits[test], split_temps, split_offsets),
-                                            labels[test]),
+        ece_heldout_after=_per_position_ece(heldout_after, labels[test]),
+        ece_floor_after=_per_position_floor(after),
+        ece_floor_heldout=_per_position_floor(heldout_after),
         num_samples=int(logits.shape[0]), sampling_temperature=sampling_temperature,
         dataset=dataset)
 

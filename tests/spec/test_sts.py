@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dspark.spec.sts import STSCalibration, calibrate, ece, fit_sts, prefix_labels, survival
+from dspark.spec.sts import STSCalibration, calibrate, ece, ece_floor, fit_sts, prefix_labels, survival
 
 
 def test_ece_hand_computed():
@@ -11,6 +11,21 @@ def test_ece_hand_computed():
     label = torch.tensor([0.0, 1.0, 1.0, 1.0])
     # bin 0.1: mean pred 0.1, hit rate 0.5 -> |0.2-1| / 4 ; bin 0.9: |1.8-2| / 4
     assert ece(pred, label) == pytest.approx((0.8 + 0.2) / 4)
+
+
+def test_ece_floor_is_the_noise_of_a_calibrated_predictor():
+    """Labels drawn from the predictions themselves: ECE is nonzero from sampling noise alone,
+    at the floor; the floor halves when the rounds quadruple; a predictor off by 0.05 stands
+    well above its floor."""
+    g = torch.Generator().manual_seed(1)
+    pred = torch.rand(4000, generator=g) * 0.8
+    floor = ece_floor(pred)
+    fresh = [ece(pred, torch.bernoulli(pred, generator=g)) for _ in range(40)]
+    assert 0.8 * floor < sum(fresh) / len(fresh) < 1.2 * floor
+    assert 0.01 < floor < 0.04
+    assert 0.4 < ece_floor(pred.repeat(4)) / floor < 0.6
+    biased = ece((pred + 0.05).clamp(max=1), torch.bernoulli(pred, generator=g))
+    assert biased > 2 * floor
 
 
 def test_prefix_labels():
@@ -34,6 +49,9 @@ def test_fit_recovers_overconfidence():
     # temperatures fitted on three quarters still calibrate the quarter they never saw
     assert len(cal.ece_heldout_after) == gamma and max(cal.ece_heldout_after) < 0.03
     assert all(a < b for b, a in zip(cal.ece_heldout_before, cal.ece_heldout_after))
+    # drawn from the model STS fits, the calibrated survival sits at the noise floor
+    assert len(cal.ece_floor_heldout) == gamma
+    assert all(a < 1.6 * f for a, f in zip(cal.ece_heldout_after, cal.ece_floor_heldout))
 
 
 def test_fit_removes_a_bias_a_temperature_cannot():
