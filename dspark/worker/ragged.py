@@ -60,8 +60,8 @@ def trim_inputs(inputs: StepInputs, layout: RowLayout, verify_lens: torch.Tensor
     new_row = keep.long().cumsum(0) - 1                                            # [T]
     logits_keep = _first_true(keep[inputs.logits_indices], inputs.logits_indices.shape[0] - num_dropped)
     q_index = attn.q_index if attn.q_index is not None else torch.arange(total, device=keep.device)
-    parts = None if attn.parts is None else tuple(
-        _trim_part(part, keep, new_row, num_dropped) for part in attn.parts)
+    parts = None if attn.parts is None else tuple(            # speculative chunks: first part
+        _trim_part(part, keep, new_row, num_dropped if i == 0 else 0) for i, part in enumerate(attn.parts))
     trimmed_attn = dataclasses.replace(
         attn, write_slots=attn.write_slots[rows], q_index=q_index[rows], parts=parts,
         token_keys=None if attn.token_keys is None else attn.token_keys[rows])
@@ -75,12 +75,11 @@ def trim_inputs(inputs: StepInputs, layout: RowLayout, verify_lens: torch.Tensor
     return trimmed, logits_keep
 
 
-def _trim_part(part: AttentionPart, keep: torch.Tensor, new_row: torch.Tensor, num_dropped: int
+def _trim_part(part: AttentionPart, keep: torch.Tensor, new_row: torch.Tensor, dropped: int
                ) -> AttentionPart:
-    """A part's kept rows, renumbered. Only draft rows are dropped and those belong to blocks of
-    two rows or more, so all `num_dropped` rows come from the part of longer queries; the
-    one-token part keeps every row."""
-    dropped = num_dropped if part.meta.max_q > 1 else 0
+    """A part's kept rows, renumbered. Only draft rows are dropped, and every speculative chunk
+    is in the step's first part (inputs._parts): it loses all `dropped` rows, the prefill part
+    none."""
     kept = _first_true(keep[part.rows], part.rows.shape[0] - dropped)
     q_index = part.meta.q_index
     if q_index is None:

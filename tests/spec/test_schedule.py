@@ -98,13 +98,17 @@ def test_budgeted_steps_staggered_and_preempted(tmp_path_factory, target_dir, re
 def test_budgeted_steps_beside_prefill_chunks_and_plain_rows(tmp_path_factory, target_dir, reference,
                                                              monkeypatch):
     """Staggered arrivals put prefill chunks of 16+ tokens beside undrafted one-token rows and
-    trimmed blocks: the step's attention runs in two groups, and trimming renumbers both."""
+    trimmed blocks: the step's attention runs in two groups (decode and verify rows; prefill
+    chunks), trimming drops draft rows from the first alone and renumbers both."""
     import dspark.worker.ragged as ragged
+    from dspark.worker.inputs import SPLIT_MIN_Q
     trimmed = Counter()
     original = ragged._trim_part
 
     def counting(part, keep, new_row, num_dropped):
-        trimmed["long" if part.meta.max_q > 1 else "one-token"] += 1
+        prefill = part.meta.max_q >= SPLIT_MIN_Q
+        trimmed["prefill" if prefill else "decode and verify"] += 1
+        assert num_dropped == 0 or not prefill
         return original(part, keep, new_row, num_dropped)
 
     monkeypatch.setattr(ragged, "_trim_part", counting)
@@ -113,7 +117,7 @@ def test_budgeted_steps_beside_prefill_chunks_and_plain_rows(tmp_path_factory, t
     llm = make_llm(target_dir, d, max_num_batched_tokens=64)
     forced(llm, 3, skip_every=3)
     assert run_staggered(llm, prompts, params) == reference
-    assert trimmed["long"] > 0 and trimmed["one-token"] == trimmed["long"]
+    assert trimmed["prefill"] > 0 and trimmed["decode and verify"] == trimmed["prefill"]
 
 
 @pytest.mark.slow

@@ -79,6 +79,26 @@ def test_a_prefill_chunk_beside_decode_rows_is_attended_in_two_groups(monkeypatc
     assert build_inputs(chunks[1:2], bs, torch.device("cpu")).attn.parts is None
 
 
+def test_verify_blocks_beside_a_prefill_chunk_are_not_padded_to_it():
+    """A prompt joining a step of speculative requests: the verify blocks form the short group
+    (padded to the longest block, not to the chunk) and attention is unchanged."""
+    from dspark.models.layers.attention import paged_attention
+    g = torch.Generator().manual_seed(3)
+    bs, heads, kv_heads, d = 4, 4, 2, 8
+    chunks = [RequestChunk([1] * 8, 21, [0, 1, 2, 3, 4, 5, 6, 7], 8),        # anchor + 7 drafts
+              RequestChunk(list(range(40)), 0, [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], 1),
+              RequestChunk([3, 4, 5], 6, [18, 19, 20], 3)]                    # anchor + 2 drafts
+    attn = build_inputs(chunks, bs, torch.device("cpu")).attn
+    assert attn.parts is not None
+    assert [p.rows.tolist() for p in attn.parts] == [list(range(8)) + [48, 49, 50], list(range(8, 48))]
+    assert [p.meta.max_q for p in attn.parts] == [8, 40]
+    k_cache = torch.randn(21 * bs, kv_heads, d, generator=g)
+    v_cache = torch.randn(21 * bs, kv_heads, d, generator=g)
+    q = torch.randn(51, heads, d, generator=g)
+    out = paged_attention(q, k_cache, v_cache, attn, 0.3)
+    assert torch.allclose(out, _reference_attention(q, k_cache, v_cache, chunks, bs, 0.3), atol=1e-5)
+
+
 def test_trimming_a_split_step_keeps_each_parts_rows_and_their_attention():
     from dspark.models.layers.attention import paged_attention
     from dspark.worker.ragged import row_layout, trim_inputs
