@@ -55,6 +55,7 @@ class CostCorrection:
         self.weight = np.full(shape, prior_steps)                              # Σ steps
         self.steps = np.zeros(shape, dtype=np.int64)                           # steps seen
         self._ratios: np.ndarray | None = None                                 # cache of `ratios`
+        self._nearest = np.tile(np.arange(MAX_CLASSES), (2, 1))                # class whose ratio it takes
         self.stale_warned = False
 
     def observe(self, tokens: int, drafted: bool, predicted_ms: float, measured_ms: float) -> None:
@@ -66,6 +67,8 @@ class CostCorrection:
         self.ratio_sum[kind, c] = self.decay * self.ratio_sum[kind, c] + measured_ms / predicted_ms
         self.weight[kind, c] = self.decay * self.weight[kind, c] + 1.0
         self.steps[kind, c] += 1
+        if self.steps[kind, c] == 1:                     # a class seen for the first time
+            self._nearest = self._nearest_seen()
         self._ratios = None
         self._warn_if_stale(kind, c)
 
@@ -86,18 +89,19 @@ class CostCorrection:
         the ratio of the nearest class of its kind that was (the smaller on a tie): drift is
         smooth across sizes. A kind with no step seen keeps the table's word, 1."""
         if self._ratios is None:
-            self._ratios = self._nearest_seen()
+            self._ratios = np.take_along_axis(self.ratio_sum / self.weight, self._nearest, axis=1)
         return self._ratios
 
     def _nearest_seen(self) -> np.ndarray:
-        ratios = self.ratio_sum / self.weight
+        """[2, MAX_CLASSES] for each class, the nearest class of its kind that was seen (itself
+        when seen or when its kind has none): changes only when a class is seen first."""
         classes = np.arange(MAX_CLASSES)
+        nearest = np.tile(classes, (2, 1))
         for kind in (PLAIN, DRAFTED):
             seen = classes[self.steps[kind] > 0]
-            if len(seen) and len(seen) < MAX_CLASSES:
-                nearest = seen[np.abs(classes[:, None] - seen[None, :]).argmin(axis=1)]
-                ratios[kind] = ratios[kind, nearest]
-        return ratios
+            if len(seen):
+                nearest[kind] = seen[np.abs(classes[:, None] - seen[None, :]).argmin(axis=1)]
+        return nearest
 
     def scale(self, other_tokens: int, max_budget: int, joining_tokens: int = 0) -> CostScale:
         """The factors for a step of `other_tokens` plus a verify budget of 0..max_budget (drafted

@@ -173,8 +173,10 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     drafted_scale = np.ones(full + 1) if cost_scale is None else np.asarray(cost_scale.drafted, np.float64)
     plain_rate = num_sampling / (verify[0] * (1.0 if cost_scale is None else cost_scale.plain))
     full_rate = (num_sampling + s.sum()) / ((table.draft_costs([r_all])[0] + verify[full]) * drafted_scale[full])
-    if not must.any() and _drafting_cannot_pay(s, table, num_sampling, verify, drafted_scale,
-                                               (1.0 + min_gain) * plain_rate):
+    bound = 0.0 if must.any() else _drafting_bound(s, table, num_sampling, verify, drafted_scale)
+    if prefer_verify_all and not must.any() and max(bound, plain_rate) < (1.0 + min_gain) * full_rate:
+        return StepPlan(drafted=[True] * r_all, budget=full, full=full)    # nothing beats it enough
+    if not must.any() and bound < (1.0 + min_gain) * plain_rate:
         rank, size, budget, best_rate = np.zeros(r_all, dtype=np.int64), 0, 0, plain_rate
     else:
         rank, size, budget, best_rate = _best_set(s, must, table, num_sampling, verify, drafted_scale,
@@ -194,19 +196,20 @@ def _verify_on_top(table: CostTable, other_tokens: int, joining_tokens: int, ful
     return joined - joined[0] + table.verify_costs(other_tokens, other_tokens + 1)[0]
 
 
-def _drafting_cannot_pay(s: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,
-                         drafted_scale: np.ndarray, threshold: float) -> bool:
-    """True when no draft set and budget can reach `threshold` tokens/ms, by one bound over all
-    of them: b verified drafts yield at most the b best survivals of any request and cost at least
-    a drafter pass over the fewest requests that hold b slots. Under load most steps end here, in
-    O(R·γ) instead of the O(R²·γ) of pricing every draft set (at 64 requests, 2% of a step)."""
+def _drafting_bound(s: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,
+                    drafted_scale: np.ndarray) -> float:
+    """An upper bound on the tokens/ms of every draft set and budget at once: b verified drafts
+    yield at most the b best survivals of any request and cost at least a drafter pass over the
+    fewest requests that hold b slots. Under load most steps stay below drafting's threshold by
+    it (O(R·γ) instead of the O(R²·γ) of pricing every draft set: at 64 requests, 2% of a
+    step), and at low load most stay below verify-all's."""
     if num_sampling <= 0:
-        return False
+        return np.inf
     gamma = s.shape[1]
     slots = np.arange(s.size + 1)
     cost = (table.draft_costs(np.maximum(1, -(-slots // gamma))) + verify) * drafted_scale      # [B]
     yield_ = num_sampling + np.concatenate([[0.0], np.cumsum(np.sort(s, axis=None)[::-1])])     # [B]
-    return bool((yield_ / cost).max() < threshold)
+    return float((yield_ / cost).max())
 
 
 def _best_set(s: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,

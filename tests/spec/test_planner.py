@@ -206,10 +206,11 @@ def test_remembered_costs_are_read_only_and_follow_a_reassigned_list():
 
 @pytest.mark.parametrize("kind", list(TABLES))
 def test_the_bound_that_skips_pricing_draft_sets_never_hides_a_plan_that_pays(kind):
-    """Where the one-pass bound says no draft set can beat a plain step by min_gain, pricing
-    every set finds none either; over weak to strong survivals both answers occur."""
+    """The one-pass bound is at least the rate of every draft set and budget that pricing them
+    all finds, so where it says no set can beat a plain step (or verify-all) by min_gain, none
+    does; over weak to strong survivals both answers occur."""
     import numpy as np
-    from dspark.spec.planner import _best_set, _drafting_cannot_pay
+    from dspark.spec.planner import _best_set, _drafting_bound
     t, r, gamma, min_gain = table(kind), 6, 4, 0.05
     skipped = []
     for seed in range(12):
@@ -217,11 +218,40 @@ def test_the_bound_that_skips_pricing_draft_sets_never_hides_a_plan_that_pays(ki
             s = (survivals(r, gamma, seed) * strength).numpy().astype(np.float64)
             verify = t.verify_costs(r, r + r * gamma + 1)
             ones, plain = np.ones(r * gamma + 1), r / float(verify[0])
-            skip = _drafting_cannot_pay(s, t, r, verify, ones, (1 + min_gain) * plain)
-            _, size, _, _ = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, ones, plain, min_gain)
+            bound = _drafting_bound(s, t, r, verify, ones)
+            skip = bound < (1 + min_gain) * plain
+            _, size, _, rate = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, ones, plain, min_gain)
             assert size == 0 or not skip
+            assert size == 0 or rate <= bound * (1 + 1e-12)
             skipped.append(skip)
     assert any(skipped) and not all(skipped)
+
+
+@pytest.mark.parametrize("kind", list(TABLES))
+def test_verify_all_decided_by_the_bound_is_what_pricing_every_set_decides(kind):
+    """plan_step keeps verify-all without pricing the draft sets when the bound already rules
+    out a gain of min_gain over it: the plan is the one the full rule gives (pricing every set,
+    then preferring verify-all), step for step, and the shortcut is taken on some of them."""
+    import numpy as np
+    from dspark.spec.planner import _best_set, _drafting_bound
+    t, gamma, min_gain = table(kind), 4, 0.05
+    shortcut = 0
+    for r in (1, 3, 6):
+        for seed in range(8):
+            for strength in (0.05, 0.3, 1.0):
+                s = (survivals(r, gamma, seed) * strength).numpy().astype(np.float64)
+                full = r * gamma
+                verify = t.verify_costs(r, r + full + 1)
+                ones, plain = np.ones(full + 1), r / float(verify[0])
+                full_rate = (r + s.sum()) / (t.draft_costs([r])[0] + verify[full])
+                _, size, budget, rate = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, ones, plain,
+                                                  min_gain)
+                keep_all = not (rate > full_rate and rate >= (1 + min_gain) * full_rate)
+                plan = plan_step(s, t, num_sampling=r, other_tokens=r, min_gain=min_gain)
+                assert plan.verify_all == keep_all
+                assert plan.budget == (full if keep_all else budget)
+                shortcut += max(_drafting_bound(s, t, r, verify, ones), plain) < (1 + min_gain) * full_rate
+    assert shortcut > 0
 
 
 def test_drafts_on_a_prefill_step_are_priced_on_top_and_judged_against_decoding():
