@@ -77,7 +77,7 @@ def run_sweep_bench(args) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     medians: dict[str, list[float]] = {name: [] for name in SYSTEMS}
-    drafted_share = []              # scheduled: decode steps that drafted, of all decode steps
+    drafted_share = []              # scheduled: requests' decode steps that drafted, of all of them
     for c in levels:
         prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
         runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
@@ -95,7 +95,7 @@ def run_sweep_bench(args) -> dict:
     print(f"{args.output_tokens} tokens from each of max(c, {args.sweep_requests}) requests of "
           f"{args.input_tokens} prompt tokens, at most c in flight; medians of {args.repetitions}")
     print("concurrency | plain tok/s | verify-all tok/s | scheduled tok/s | scheduled / best other "
-          "| scheduled: steps that drafted")
+          "| scheduled: request steps that drafted")
     print("---|---|---|---|---|---")
     ratios = []
     for i, c in enumerate(levels):
