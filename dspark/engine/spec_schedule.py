@@ -16,7 +16,7 @@ only when the step would pay if the due requests were as good as the population'
 project's CPU, or wherever one more drafted request lengthens the step past a bucket) probes
 cost more than they find, and they wait. Pricing them as the population's best quarter instead
 probed every request of a lockstep batch at once, 16 of them in one 51 ms step where plain
-decoding took 15.6 ms, and in one-off A/B runs left the engine 4-13% slower at 4 requests. Only
+decoding took 15.6 ms, and in one-off A/B runs left the engine 4-14% slower at 4 requests. Only
 information from earlier steps enters, so the plan cannot depend on the drafts it will admit;
 which drafts fill the budget is decided on the device (worker/ragged.py, spec/allocate.py).
 Every step's wall time also goes back to the planner (`observe_step`), which prices later plans
