@@ -146,8 +146,8 @@ class ConfidenceScheduler:
         caps = np.asarray([s.verify_len for s in spec])
         mean = self.correction.realised_survival                                            # [γ]
         typical = np.where(np.arange(self.gamma)[None, :] < caps[:, None], mean[None, :], 0.0)  # [R, γ]
-        hopeful = np.where(due[:, None], typical, survival)
-        admitted = due & np.asarray(plan_step(hopeful, self.table, num_sampling, other, self.min_gain,
+        supposed = np.where(due[:, None], typical, survival)
+        admitted = due & np.asarray(plan_step(supposed, self.table, num_sampling, other, self.min_gain,
                                               cost_scale=scale, prefer_verify_all=False,
                                               joining_tokens=joining_tokens).drafted)
         self.declined_probes += int(due.sum() - admitted.sum())

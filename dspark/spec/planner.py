@@ -173,10 +173,11 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     drafted_scale = np.ones(full + 1) if cost_scale is None else np.asarray(cost_scale.drafted, np.float64)
     plain_rate = num_sampling / (verify[0] * (1.0 if cost_scale is None else cost_scale.plain))
     full_rate = (num_sampling + s.sum()) / ((table.draft_costs([r_all])[0] + verify[full]) * drafted_scale[full])
-    bound = 0.0 if must.any() else _drafting_bound(s, table, num_sampling, verify, drafted_scale)
-    if prefer_verify_all and not must.any() and max(bound, plain_rate) < (1.0 + min_gain) * full_rate:
+    free = not must.any()                                  # no forced draft: the bound applies
+    bound = _drafting_bound(s, table, num_sampling, verify, drafted_scale) if free else 0.0
+    if prefer_verify_all and free and max(bound, plain_rate) < (1.0 + min_gain) * full_rate:
         return StepPlan(drafted=[True] * r_all, budget=full, full=full)    # nothing beats it enough
-    if not must.any() and bound < (1.0 + min_gain) * plain_rate:
+    if free and bound < (1.0 + min_gain) * plain_rate:
         rank, size, budget, best_rate = np.zeros(r_all, dtype=np.int64), 0, 0, plain_rate
     else:
         rank, size, budget, best_rate = _best_set(s, must, table, num_sampling, verify, drafted_scale,

@@ -81,7 +81,8 @@ def ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 20) -> float:
 
 
 def batched_ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 20) -> torch.Tensor:
-    """pred [G, N] candidate predictions of the same labels [N] -> [G] ECE of each row."""
+    """pred [G, N] candidate predictions of the same labels [N] (or of labels [G, N], a row
+    each) -> [G] ECE of each row."""
     g, n = pred.shape
     index = (pred.clamp(0, 1) * bins).long().clamp(max=bins - 1)
     index = index + torch.arange(g)[:, None] * bins                    # [G, N] into [G * bins]
@@ -148,12 +149,9 @@ def ece_floor(pred: torch.Tensor, bins: int = 20, draws: int = 200, seed: int = 
     """The mean ECE of `pred` [N] against labels drawn from `pred` itself: the error a perfectly
     calibrated predictor shows on N samples from sampling noise alone. An ECE near it is as small
     as N rounds can show; one well above it is miscalibration."""
-    pred = pred.float().clamp(0, 1)
-    labels = torch.bernoulli(pred.expand(draws, -1), generator=torch.Generator().manual_seed(seed))
-    index = (pred * bins).long().clamp(max=bins - 1)                                    # [N]
-    conf = torch.zeros(bins).index_add_(0, index, pred)                                 # [bins]
-    hits = torch.zeros(draws, bins).index_add_(1, index, labels)                        # [draws, bins]
-    return float(((conf[None] - hits).abs().sum(-1) / max(pred.shape[0], 1)).mean())
+    preds = pred.float().clamp(0, 1).expand(draws, -1)                                 # [draws, N]
+    labels = torch.bernoulli(preds, generator=torch.Generator().manual_seed(seed))
+    return float(batched_ece(preds, labels, bins).mean())
 
 
 def _per_position_floor(survivals: torch.Tensor) -> list[float]:

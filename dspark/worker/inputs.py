@@ -101,8 +101,9 @@ def _parts(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens
     prompt joins to the prompt's chunk: on this project's CPU a 64-token chunk beside three 8-row
     blocks took 1.7x the attention of four 64-token chunks. Every speculative chunk is in the
     first group, the one whose rows a verify budget trims (ragged.trim_inputs)."""
-    short = [i for i, q in enumerate(q_lens) if q < SPLIT_MIN_Q or every_row[i]]
-    chunked = [i for i, q in enumerate(q_lens) if not (q < SPLIT_MIN_Q or every_row[i])]
+    first = [q < SPLIT_MIN_Q or every for q, every in zip(q_lens, every_row)]
+    short = [i for i, f in enumerate(first) if f]
+    chunked = [i for i, f in enumerate(first) if not f]
     if not short or not chunked:
         return None
     offsets = [0]
