@@ -227,7 +227,8 @@ def test_a_captured_bucket_refuses_other_input_buffers(target):
 
 def test_bucket_staircase_and_bad_configuration():
     assert token_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert token_buckets(512)[-3:] == [128, 256, 512]
+    assert token_buckets(512)[10:] == [64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+    assert token_buckets(2048)[-3:] == [512, 1024, 2048] and token_buckets(100)[-3:] == [80, 96, 100]
     assert token_buckets(6) == [1, 2, 4, 6]
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
         StepGraphs(torch.nn.Linear(1, 1), "cuda", [1], torch.device("cpu"))
