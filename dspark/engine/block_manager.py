@@ -16,6 +16,7 @@ class BlockManager:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self.released: list[int] = []         # blocks freed since `take_released` (for the worker)
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,6 +66,12 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self._free.append(block)
+            self.released.append(block)
+
+    def take_released(self) -> list[int]:
+        """The blocks freed since the last call: whatever was computed for them is stale."""
+        released, self.released = self.released, []
+        return released
 
     def slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -280,8 +280,8 @@ class Engine:
         result = self.worker.execute(prepared.batch, key)       # ends in the step's one host copy
         if self.confidence_scheduler is not None:
             _, tokens, draft_requests, _ = self.worker.step_shape(prepared.batch)
-            self.confidence_scheduler.observe_step(tokens, draft_requests,
-                                                   (time.perf_counter() - began) * 1e3)
+            taken = (time.perf_counter() - began) * 1e3 - self.worker.flush_ms
+            self.confidence_scheduler.observe_step(tokens, draft_requests, taken)
         return self._commit(prepared.sched, result)
 
     def _leave_undrafted(self, scheduled: list[ScheduledRequest], drafted: list[bool]) -> None:
@@ -312,7 +312,8 @@ class Engine:
                 gens.append(seq.generator)
                 spec.append(s.spec)
                 request_ids.append(seq.request_id)
-        return WorkerBatch(chunks, params, gens, spec, request_ids=request_ids)
+        return WorkerBatch(chunks, params, gens, spec, request_ids=request_ids,
+                           released_blocks=self.block_manager.take_released())
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs, now, k, j = [], time.perf_counter(), 0, 0

@@ -8,6 +8,7 @@ the block's input rows on the device, so drafting, verification and acceptance n
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ class WorkerBatch:
     spec: list[bool]                              # per sampling chunk: a speculative block?
     verify_budget: int | None = None              # drafts to verify in total (None: all of them)
     request_ids: list[str] | None = None          # per sampling chunk (dummy rows are told apart)
+    released_blocks: list[int] | None = None      # KV blocks freed since the last step
 
 
 @dataclass
@@ -72,7 +74,8 @@ class Worker:
         self.dummy_steps = 0                                  # idle data-parallel steps run
         self.draft_kv = None
         self.draft_graphs: DraftGraphs | None = None          # None: the draft step runs unpadded
-        self.deferred = DeferredContext()                     # context rows of undrafted steps
+        self.deferred = DeferredContext(num_blocks, block_size, device)   # rows of undrafted steps
+        self.flush_ms = 0.0                                   # the last step's appends of held rows
         if drafter is not None:
             self.draft_kv = allocate_kv_cache(drafter.config, num_blocks, block_size, dtype, device)
             if graphs is not None:                            # the draft step in the target's mode
@@ -83,6 +86,8 @@ class Worker:
     @torch.inference_mode()
     def execute(self, batch: WorkerBatch, key: StepKey | None = None) -> StepResult:
         """Run one step; `key` (a data-parallel group's agreement) fixes its graph buckets."""
+        self.deferred.release(batch.released_blocks)
+        self.flush_ms = 0.0
         inputs = build_inputs(batch.chunks, self.block_size, self.device, self.config.sliding_window)
         sampling = [c for c in batch.chunks if c.num_logits > 0]
         st = SamplingTensors.build(batch.params, batch.generators, self.config.vocab_size, self.device)
@@ -90,7 +95,7 @@ class Worker:
         proposal = lens = logits_keep = None
         num_logits = inputs.logits_indices.shape[0]
         if spec_idx:
-            self.deferred.flush(self.drafter, self.draft_kv)      # the drafter reads all context
+            self._flush()                                          # the drafter reads all context
             ids = [batch.request_ids[i] for i in spec_idx] if batch.request_ids is not None else None
             proposal = self._draft(sampling, spec_idx, st, ids, key)
             self._place_drafts(inputs, batch.chunks, spec_idx, proposal.tokens)
@@ -108,17 +113,24 @@ class Worker:
 
     def _append_context(self, aux_hidden: torch.Tensor, inputs: StepInputs, drafted: bool) -> None:
         """The step's rows into the drafter's context: now after a drafting step (the next one
-        most likely drafts too) or a large one (nothing to save), else held for the next
-        drafting step's one append."""
+        most likely drafts too), else held for the next drafting step's one append."""
         attn = inputs.attn
-        if drafted or aux_hidden.shape[0] >= self.deferred.max_rows:
-            self.deferred.flush(self.drafter, self.draft_kv)       # the held rows go first
+        if drafted:
             append_context(self.drafter, self.draft_kv, aux_hidden, inputs.positions, attn.write_rows,
                            attn.write_slots)
             return
         self.deferred.hold(aux_hidden, inputs.positions, attn.write_rows, attn.write_slots)
         if self.deferred.full:
-            self.deferred.flush(self.drafter, self.draft_kv)
+            began = time.perf_counter()
+            self.deferred.make_room(self.drafter, self.draft_kv)
+            self.flush_ms += (time.perf_counter() - began) * 1e3
+
+    def _flush(self) -> None:
+        """Append the held rows, timed: the step that happens to draft first after many that did
+        not pays for all of them, which is no cost of drafting (`flush_ms`)."""
+        began = time.perf_counter()
+        self.deferred.flush(self.drafter, self.draft_kv)
+        self.flush_ms += (time.perf_counter() - began) * 1e3
 
     def sync_draft_context(self) -> None:
         """Append the held context rows now (the drafter's cache as a drafting step would see it)."""

@@ -27,26 +27,72 @@ def _steps(drafter, g):
              None if rows is None else torch.tensor(rows), torch.tensor(slots)) for pos, rows, slots in specs]
 
 
+def _caches(drafter):
+    return allocate_kv_cache(drafter.config, 4, 4, torch.float32, torch.device("cpu"))
+
+
 def test_held_steps_append_what_step_by_step_appends_write(tmp_path):
     drafter = _drafter(tmp_path)
     steps = _steps(drafter, torch.Generator().manual_seed(0))
-    reference = allocate_kv_cache(drafter.config, 4, 4, torch.float32, torch.device("cpu"))
-    held = allocate_kv_cache(drafter.config, 4, 4, torch.float32, torch.device("cpu"))
+    reference, held = _caches(drafter), _caches(drafter)
     before = [(k.clone(), v.clone()) for k, v in held]
-    deferred = DeferredContext(max_rows=64)
+    deferred = DeferredContext(4, 4, torch.device("cpu"))
     with torch.inference_mode():
         for aux, pos, rows, slots in steps:
             append_context(drafter, reference, aux, pos, rows, slots)
             deferred.hold(aux, pos, rows, slots)
             aux.fill_(7.0)                                     # the caller's buffer is reused
-        assert deferred.num_rows == 7 and not deferred.full
+        assert deferred.num_rows == 6 and not deferred.full    # the rows that store K/V
         for (k, v), (k0, v0) in zip(held, before):             # nothing written while held
             assert torch.equal(k, k0) and torch.equal(v, v0)
-        assert deferred.flush(drafter, held) == 7
+        assert deferred.flush(drafter, held) == 5              # slot 5 written twice: once
     assert deferred.num_rows == 0 and deferred.flushes == 1 and deferred.deferred_steps == 3
     for (k, v), (rk, rv) in zip(held, reference):
         assert torch.allclose(k, rk, atol=1e-6) and torch.allclose(v, rv, atol=1e-6)
         assert not torch.equal(k[5], torch.zeros_like(k[5]))
+
+
+def test_rows_of_a_block_released_after_them_are_dropped_and_a_reused_block_keeps_its_new_rows(tmp_path):
+    drafter = _drafter(tmp_path)
+    steps = _steps(drafter, torch.Generator().manual_seed(1))
+    reference, held = _caches(drafter), _caches(drafter)
+    deferred = DeferredContext(4, 4, torch.device("cpu"))
+    with torch.inference_mode():
+        # slots 4-6 (block 1) by the first step; then block 1 is released and handed on: the
+        # third step writes slot 5 again, for its new owner
+        for i, (aux, pos, rows, slots) in enumerate(steps):
+            if i == 2:
+                deferred.release([1])
+            deferred.hold(aux, pos, rows, slots)
+        deferred.release([3])                                  # slot 12: released after its row
+        assert deferred.flush(drafter, held) == 2              # slots 9 and 5 (the new owner's)
+        assert deferred.dropped_rows == 4                      # 4, 5, 6 of the first step; 12
+        aux, pos, rows, slots = steps[1]
+        append_context(drafter, reference, aux, pos, rows, slots)
+        aux, pos, rows, slots = steps[2]
+        append_context(drafter, reference, aux[:1], pos[:1], None, slots[:1])
+    for (k, v), (rk, rv) in zip(held, reference):
+        assert torch.allclose(k, rk, atol=1e-6) and torch.allclose(v, rv, atol=1e-6)
+        assert torch.equal(k[4], torch.zeros_like(k[4])) and torch.equal(k[12], torch.zeros_like(k[12]))
+
+
+def test_a_full_hold_drops_released_rows_first_and_appends_only_when_live_rows_fill_half(tmp_path):
+    drafter = _drafter(tmp_path)
+    width = len(drafter.config.target_layer_ids) * drafter.config.target_hidden_size
+    row_bytes = width * 4
+    deferred = DeferredContext(4, 4, torch.device("cpu"), max_bytes=4 * row_bytes)
+    held = _caches(drafter)
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        deferred.hold(torch.randn(4, width, generator=g), torch.arange(4), None, torch.arange(4))
+        assert deferred.full
+        deferred.release([0])
+        deferred.make_room(drafter, held)                      # all four released: dropped
+        assert deferred.num_rows == 0 and deferred.flushes == 0 and deferred.dropped_rows == 4
+        deferred.hold(torch.randn(4, width, generator=g), torch.arange(4), None, torch.arange(8, 12))
+        deferred.make_room(drafter, held)                      # live, a full room: appended
+        assert deferred.num_rows == 0 and deferred.flushes == 1
+    assert not torch.equal(held[0][0][8], torch.zeros_like(held[0][0][8]))
 
 
 def test_the_last_write_of_a_slot_stands():
@@ -64,9 +110,25 @@ def test_a_prefill_is_held_until_the_first_drafting_step(tmp_path):
     snapshot = [k.clone() for k, _ in engine.worker.draft_kv]
     engine.step()                                              # the prefill: no drafter pass
     deferred = engine.worker.deferred
-    assert deferred.num_rows == 5 and deferred.flushes == 0
+    assert deferred.num_rows == 5 and deferred.flushes == 0 and deferred.num_bytes > 0
     assert all(torch.equal(k, k0) for (k, _), k0 in zip(engine.worker.draft_kv, snapshot))
     engine.step()                                              # drafts: the prefill rows go first
     assert deferred.num_rows == 0 and deferred.flushes == 1
     assert engine.spec_stats.draft_rounds == 1
     assert not all(torch.equal(k, k0) for (k, _), k0 in zip(engine.worker.draft_kv, snapshot))
+
+
+def test_a_request_that_finishes_before_any_drafting_step_costs_no_append(tmp_path):
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=4)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
+    engine = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), block_size=4,
+                 max_model_len=64, kv_cache_bytes=1 << 20, graph="eager").engine
+    engine.add_request([3, 9, 4, 7, 11], SamplingParams(temperature=0, max_tokens=1))
+    engine.step()                                              # prefill, one token, finished
+    assert not engine.has_unfinished
+    engine.add_request([5, 6, 8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()                                              # its prefill, held too
+    deferred = engine.worker.deferred
+    assert deferred.num_rows == 8 and deferred.flushes == 0
+    engine.step()                                              # the first drafting step
+    assert deferred.flushes == 1 and deferred.dropped_rows == 5 and engine.spec_stats.draft_rounds == 1
