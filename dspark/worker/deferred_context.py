@@ -6,9 +6,10 @@ planner chose) leaves its rows here, and the next step that drafts appends them 
 drafter pass, in one call. Under load the planner may draft nothing for hundreds of steps, and
 many requests finish in between: their rows are dropped when their KV blocks are released, so a
 request that never drafts again never costs an append (at 16 requests on a 2-core CPU the
-appends had cost about 2% of plain decoding's time). Rows are held up to `max_bytes`; when that
-fills, the rows of released blocks are dropped and, if at least half of it is still live, the
-rest are appended.
+appends had cost about 2% of plain decoding's time). The rows live in one buffer that grows by
+doubling up to `max_bytes` (thousands of small held tensors, and the copies that join them,
+had slowed every large allocation of the step); when it is full, the rows of released blocks
+are dropped and, if at least half of it is still live, the rest are appended.
 
 Order is what keeps this exact: the rows are appended in the order their steps ran, and before
 any later step's own rows, so a slot that was freed and handed to another request ends with its
@@ -19,24 +20,13 @@ owner's rows. The drafter only ever reads its cache in a drafting step, after th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dspark.models.drafter import Drafter
 from dspark.spec.draft import KVCaches, append_context
 
 DEFAULT_MAX_BYTES = 64 << 20     # held features; the rows of about 11,000 tokens for SmolLM2-135M
-
-
-@dataclass
-class HeldRows:
-    """Rows for the drafter's context, only those that store K/V. The features are copied (graph
-    outputs are overwritten by the next replay)."""
-    aux_hidden: torch.Tensor       # [W, m*d_t] target features
-    positions: torch.Tensor        # [W]
-    slots: torch.Tensor            # [W] their cache slots
-    index: int                     # the latest hold they came from (releases after it drop them)
+FIRST_ROWS = 256                 # the buffer's first size; it doubles as steps hold more
 
 
 class DeferredContext:
@@ -47,73 +37,98 @@ class DeferredContext:
                              f"{num_blocks} and {block_size}")
         self.max_bytes = max_bytes
         self.block_size = block_size
-        self.held: list[HeldRows] = []
-        self.num_bytes = 0             # features held
-        self.holds = 0                 # steps held so far: a release is stamped with it
+        self.device = device
+        self.aux: torch.Tensor | None = None     # [C, m*d_t] target features of the held rows
+        self.positions = self.slots = self.index = torch.zeros(0, dtype=torch.long, device=device)  # [C]
+        self.num_rows = 0              # rows held (the first num_rows of the buffers)
+        self.holds = 0                 # steps held so far: a row and a release are stamped with it
         self.released_at = torch.full((num_blocks,), -1, dtype=torch.long, device=device)   # [NB]
         self.deferred_steps = 0        # steps whose append was deferred (stats)
         self.flushes = 0               # appends of held rows
         self.dropped_rows = 0          # rows of released blocks never appended
 
-    @property
-    def num_rows(self) -> int:
-        return sum(h.slots.shape[0] for h in self.held)
+    def max_rows(self, width: int, element_size: int) -> int:
+        return max(1, self.max_bytes // (width * element_size))
+
+    def fits(self, aux_hidden: torch.Tensor, write_rows: torch.Tensor | None) -> bool:
+        """Whether a step's rows fit in what is left of `max_bytes`."""
+        rows = aux_hidden.shape[0] if write_rows is None else write_rows.shape[0]
+        return self.num_rows + rows <= self.max_rows(aux_hidden.shape[1], aux_hidden.element_size())
 
     def hold(self, aux_hidden: torch.Tensor, positions: torch.Tensor, write_rows: torch.Tensor | None,
              write_slots: torch.Tensor) -> None:
-        """Keep a step's rows (`append_context`'s arguments) for a later append."""
+        """Keep a step's rows (`append_context`'s arguments) for a later append; they must fit.
+        The features are copied (graph outputs are overwritten by the next replay)."""
+        if not self.fits(aux_hidden, write_rows):
+            raise ValueError("the held context rows would exceed max_bytes: make room first")
         if write_rows is not None:
             aux_hidden, positions = aux_hidden[write_rows], positions[write_rows]
-        else:
-            aux_hidden = aux_hidden.clone()
-        self.held.append(HeldRows(aux_hidden, positions, write_slots, self.holds))
+        start, stop = self.num_rows, self.num_rows + aux_hidden.shape[0]
+        self._reserve(stop, aux_hidden)
+        self.aux[start:stop] = aux_hidden
+        self.positions[start:stop] = positions
+        self.slots[start:stop] = write_slots
+        self.index[start:stop] = self.holds
+        self.num_rows = stop
         self.holds += 1
-        self.num_bytes += aux_hidden.numel() * aux_hidden.element_size()
         self.deferred_steps += 1
 
     def release(self, blocks: list[int] | None) -> None:
         """KV blocks freed since the last step: the rows held for them are not worth appending."""
         if blocks:
-            self.released_at[torch.tensor(blocks, device=self.released_at.device)] = self.holds
-
-    @property
-    def full(self) -> bool:
-        return self.num_bytes >= self.max_bytes
+            self.released_at[torch.tensor(blocks, device=self.device)] = self.holds
 
     def make_room(self, drafter: Drafter, kv: KVCaches) -> None:
         """Drop the rows of released blocks; append the rest if they still fill half the room."""
         self._compact()
-        if 2 * self.num_bytes >= self.max_bytes:
+        if self.aux is not None and 2 * self.num_rows >= self.max_rows(self.aux.shape[1], self.aux.element_size()):
             self.flush(drafter, kv)
 
     def flush(self, drafter: Drafter, kv: KVCaches) -> int:
         """Append every live held row in step order, in one call; returns the rows appended."""
         self._compact()
-        if not self.held:
+        if self.num_rows == 0:
             return 0
-        h = self.held[0]
+        n, slots = self.num_rows, self.slots[:self.num_rows]
         # a slot written by two held steps (freed and handed on in between) keeps the later
         # write: index_copy_ with a repeated slot could keep either
-        last = _last_writes(h.slots)
-        append_context(drafter, kv, h.aux_hidden, h.positions, last, h.slots[last])
-        self.held.clear()
-        self.num_bytes = 0
+        last = _last_writes(slots)
+        append_context(drafter, kv, self.aux[:n], self.positions[:n], last, slots[last])
+        self.num_rows = 0
         self.flushes += 1
         return int(last.shape[0])
 
+    def _reserve(self, rows: int, like: torch.Tensor) -> None:
+        """Buffers of at least `rows` rows, doubled from FIRST_ROWS, the held rows kept."""
+        capacity = 0 if self.aux is None else self.aux.shape[0]
+        if rows <= capacity:
+            return
+        size = max(FIRST_ROWS, capacity)
+        while size < rows:
+            size *= 2
+        size = min(size, self.max_rows(like.shape[1], like.element_size()))
+        aux = torch.empty(size, like.shape[1], dtype=like.dtype, device=like.device)
+        n = self.num_rows
+        if n:
+            aux[:n] = self.aux[:n]
+        self.aux = aux
+        self.positions, self.slots, self.index = (torch.cat([t[:n], t.new_empty(size - n)])
+                                                  for t in (self.positions, self.slots, self.index))
+
     def _compact(self) -> None:
-        """The held rows as one entry, without those whose block was released after them."""
-        if not self.held:
+        """Move the held rows whose block was not released after them to the front."""
+        n = self.num_rows
+        if n == 0:
             return
         # dropping rows makes a data-dependent row count (one host sync on a GPU, per flush)
-        keep = [self.released_at[h.slots // self.block_size] <= h.index for h in self.held]   # [W_i]
-        total = sum(h.slots.shape[0] for h in self.held)
-        aux = torch.cat([h.aux_hidden[k] for h, k in zip(self.held, keep)])
-        merged = HeldRows(aux, torch.cat([h.positions[k] for h, k in zip(self.held, keep)]),
-                          torch.cat([h.slots[k] for h, k in zip(self.held, keep)]), self.held[-1].index)
-        self.dropped_rows += total - merged.slots.shape[0]
-        self.held = [merged] if merged.slots.shape[0] else []
-        self.num_bytes = aux.numel() * aux.element_size()
+        keep = self.released_at[self.slots[:n] // self.block_size] <= self.index[:n]        # [n]
+        live = keep.nonzero().squeeze(1)
+        m = int(live.shape[0])
+        if m < n:
+            for buffer in (self.aux, self.positions, self.slots, self.index):
+                buffer[:m] = buffer[live]
+        self.dropped_rows += n - m
+        self.num_rows = m
 
 
 def _last_writes(slots: torch.Tensor) -> torch.Tensor:

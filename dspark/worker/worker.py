@@ -95,7 +95,7 @@ class Worker:
         proposal = lens = logits_keep = None
         num_logits = inputs.logits_indices.shape[0]
         if spec_idx:
-            self._flush()                                          # the drafter reads all context
+            self._timed(self.deferred.flush)                       # the drafter reads all context
             ids = [batch.request_ids[i] for i in spec_idx] if batch.request_ids is not None else None
             proposal = self._draft(sampling, spec_idx, st, ids, key)
             self._place_drafts(inputs, batch.chunks, spec_idx, proposal.tokens)
@@ -115,21 +115,20 @@ class Worker:
         """The step's rows into the drafter's context: now after a drafting step (the next one
         most likely drafts too), else held for the next drafting step's one append."""
         attn = inputs.attn
-        if drafted:
-            append_context(self.drafter, self.draft_kv, aux_hidden, inputs.positions, attn.write_rows,
-                           attn.write_slots)
+        args = (aux_hidden, inputs.positions, attn.write_rows, attn.write_slots)
+        if not drafted and not self.deferred.fits(aux_hidden, attn.write_rows):
+            self._timed(self.deferred.make_room)
+        if drafted or not self.deferred.fits(aux_hidden, attn.write_rows):
+            self._timed(self.deferred.flush)                     # held rows go first
+            append_context(self.drafter, self.draft_kv, *args)
             return
-        self.deferred.hold(aux_hidden, inputs.positions, attn.write_rows, attn.write_slots)
-        if self.deferred.full:
-            began = time.perf_counter()
-            self.deferred.make_room(self.drafter, self.draft_kv)
-            self.flush_ms += (time.perf_counter() - began) * 1e3
+        self.deferred.hold(*args)
 
-    def _flush(self) -> None:
-        """Append the held rows, timed: the step that happens to draft first after many that did
-        not pays for all of them, which is no cost of drafting (`flush_ms`)."""
+    def _timed(self, append) -> None:
+        """Append held rows (`DeferredContext.flush` or `make_room`), timed: the step that happens
+        to append them pays for earlier steps, which is no cost of its own (`flush_ms`)."""
         began = time.perf_counter()
-        self.deferred.flush(self.drafter, self.draft_kv)
+        append(self.drafter, self.draft_kv)
         self.flush_ms += (time.perf_counter() - began) * 1e3
 
     def sync_draft_context(self) -> None:

@@ -1,5 +1,6 @@
 """Context rows of steps that draft nothing, held and appended in one call before the drafter reads."""
 
+import pytest
 import torch
 
 from dspark import LLM, SamplingParams
@@ -42,7 +43,7 @@ def test_held_steps_append_what_step_by_step_appends_write(tmp_path):
             append_context(drafter, reference, aux, pos, rows, slots)
             deferred.hold(aux, pos, rows, slots)
             aux.fill_(7.0)                                     # the caller's buffer is reused
-        assert deferred.num_rows == 6 and not deferred.full    # the rows that store K/V
+        assert deferred.num_rows == 6                          # the rows that store K/V
         for (k, v), (k0, v0) in zip(held, before):             # nothing written while held
             assert torch.equal(k, k0) and torch.equal(v, v0)
         assert deferred.flush(drafter, held) == 5              # slot 5 written twice: once
@@ -79,20 +80,44 @@ def test_rows_of_a_block_released_after_them_are_dropped_and_a_reused_block_keep
 def test_a_full_hold_drops_released_rows_first_and_appends_only_when_live_rows_fill_half(tmp_path):
     drafter = _drafter(tmp_path)
     width = len(drafter.config.target_layer_ids) * drafter.config.target_hidden_size
-    row_bytes = width * 4
-    deferred = DeferredContext(4, 4, torch.device("cpu"), max_bytes=4 * row_bytes)
+    deferred = DeferredContext(4, 4, torch.device("cpu"), max_bytes=4 * width * 4)    # 4 fp32 rows
     held = _caches(drafter)
     g = torch.Generator().manual_seed(2)
+    one = torch.randn(1, width, generator=g)
     with torch.inference_mode():
         deferred.hold(torch.randn(4, width, generator=g), torch.arange(4), None, torch.arange(4))
-        assert deferred.full
+        assert not deferred.fits(one, None)
+        with pytest.raises(ValueError, match="make room first"):
+            deferred.hold(one, torch.arange(1), None, torch.arange(1))
         deferred.release([0])
         deferred.make_room(drafter, held)                      # all four released: dropped
         assert deferred.num_rows == 0 and deferred.flushes == 0 and deferred.dropped_rows == 4
-        deferred.hold(torch.randn(4, width, generator=g), torch.arange(4), None, torch.arange(8, 12))
-        deferred.make_room(drafter, held)                      # live, a full room: appended
+        deferred.hold(torch.randn(3, width, generator=g), torch.arange(3), None, torch.arange(8, 11))
+        deferred.make_room(drafter, held)                      # 3 live rows of 4: appended
         assert deferred.num_rows == 0 and deferred.flushes == 1
-    assert not torch.equal(held[0][0][8], torch.zeros_like(held[0][0][8]))
+    k = held[0][0]
+    assert not torch.equal(k[8], torch.zeros_like(k[8])) and torch.equal(k[0], torch.zeros_like(k[0]))
+
+
+def test_the_buffer_grows_by_doubling_and_keeps_the_held_rows(tmp_path):
+    drafter = _drafter(tmp_path)
+    steps = _steps(drafter, torch.Generator().manual_seed(3))
+    width = steps[0][0].shape[1]
+    deferred = DeferredContext(64, 4, torch.device("cpu"))
+    reference, held = _caches(drafter), _caches(drafter)
+    with torch.inference_mode():
+        for _ in range(100):                                   # 300 rows: past the first 256
+            for aux, pos, rows, slots in steps[:1]:
+                deferred.hold(aux, pos, rows, slots)
+        big = torch.randn(5, width)
+        deferred.hold(big, torch.arange(5), None, torch.arange(10, 15))
+        assert deferred.aux.shape[0] == 512 and deferred.num_rows == 305
+        deferred.flush(drafter, held)
+        aux, pos, rows, slots = steps[0]
+        append_context(drafter, reference, aux, pos, rows, slots)
+        append_context(drafter, reference, big, torch.arange(5), None, torch.arange(10, 15))
+    for (k, v), (rk, rv) in zip(held, reference):
+        assert torch.allclose(k, rk, atol=1e-6) and torch.allclose(v, rv, atol=1e-6)
 
 
 def test_the_last_write_of_a_slot_stands():
@@ -110,7 +135,7 @@ def test_a_prefill_is_held_until_the_first_drafting_step(tmp_path):
     snapshot = [k.clone() for k, _ in engine.worker.draft_kv]
     engine.step()                                              # the prefill: no drafter pass
     deferred = engine.worker.deferred
-    assert deferred.num_rows == 5 and deferred.flushes == 0 and deferred.num_bytes > 0
+    assert deferred.num_rows == 5 and deferred.flushes == 0
     assert all(torch.equal(k, k0) for (k, _), k0 in zip(engine.worker.draft_kv, snapshot))
     engine.step()                                              # drafts: the prefill rows go first
     assert deferred.num_rows == 0 and deferred.flushes == 1
