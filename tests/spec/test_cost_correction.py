@@ -41,6 +41,18 @@ def test_ratios_learn_per_kind_and_class_and_unseen_classes_keep_the_table():
         CostCorrection(decay=0.0)
 
 
+def test_one_stalled_step_moves_its_class_little_and_a_lasting_drift_is_still_learned():
+    corr = CostCorrection(decay=0.9)
+    for _ in range(30):
+        corr.observe(16, drafted=False, predicted_ms=10.0, measured_ms=11.0)
+    settled = corr.ratios[PLAIN, 4]
+    corr.observe(16, drafted=False, predicted_ms=10.0, measured_ms=76.0)    # one 7.6x step
+    assert settled == pytest.approx(1.1, rel=0.01) and corr.ratios[PLAIN, 4] < 1.06 * settled
+    for _ in range(40):
+        corr.observe(16, drafted=False, predicted_ms=10.0, measured_ms=30.0)   # a real 3x drift
+    assert corr.ratios[PLAIN, 4] == pytest.approx(3.0, rel=0.02)
+
+
 def _rate(s, table, scale, drafted_rows, budget, n, other):
     """Expected tokens per corrected millisecond of one plan, priced slot by slot."""
     flat = sorted(s[drafted_rows].flatten().tolist(), reverse=True)
