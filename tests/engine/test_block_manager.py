@@ -31,6 +31,19 @@ def test_share_and_double_free():
         bm._release(0)
 
 
+def test_released_blocks_are_reported_once_and_only_when_their_last_owner_frees_them():
+    bm = BlockManager(4, 2)
+    table = []
+    bm.ensure(table, 6)
+    fork = bm.share(table[:1])
+    bm.truncate(table, 2)                    # blocks 1 and 2 go; block 0 stays
+    assert sorted(bm.take_released()) == [1, 2] and bm.take_released() == []
+    bm.free(table)
+    assert bm.take_released() == []          # block 0: the fork still owns it
+    bm.free(fork)
+    assert bm.take_released() == [0]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_random_operations_leave_nothing_allocated(seed):
     rng = random.Random(seed)
