@@ -81,7 +81,9 @@ class DeferredContext:
     def make_room(self, drafter: Drafter, kv: KVCaches) -> None:
         """Drop the rows of released blocks; append the rest if they still fill half the room."""
         self._compact()
-        if self.aux is not None and 2 * self.num_rows >= self.max_rows(self.aux.shape[1], self.aux.element_size()):
+        if self.aux is None:
+            return
+        if 2 * self.num_rows >= self.max_rows(self.aux.shape[1], self.aux.element_size()):
             self.flush(drafter, kv)
 
     def flush(self, drafter: Drafter, kv: KVCaches) -> int:

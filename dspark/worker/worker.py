@@ -86,7 +86,8 @@ class Worker:
     @torch.inference_mode()
     def execute(self, batch: WorkerBatch, key: StepKey | None = None) -> StepResult:
         """Run one step; `key` (a data-parallel group's agreement) fixes its graph buckets."""
-        self.deferred.release(batch.released_blocks)
+        if self.drafter is not None:
+            self.deferred.release(batch.released_blocks)
         self.flush_ms = 0.0
         inputs = build_inputs(batch.chunks, self.block_size, self.device, self.config.sliding_window)
         sampling = [c for c in batch.chunks if c.num_logits > 0]
