@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -16,6 +15,7 @@ from dspark.engine.block_manager import BlockManager
 from dspark.engine.output_processor import OutputProcessor
 from dspark.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dspark.engine.sequence import Sequence
+from dspark.engine.spec_setup import confidence_scheduler, cost_fingerprint, load_sts
 from dspark.models.fused_stack import fuse_draft_blocks, fuse_small_steps
 from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
@@ -88,7 +88,7 @@ class Engine:
                              graphs=self._graphs(loaded.model),
                              max_num_seqs=config.scheduler.max_num_seqs)
         self.spec_stats = SpecStats(accepted_per_position=[0] * gamma)
-        self.sts = self._load_sts(gamma)
+        self.sts = load_sts(config, self.drafter, gamma)
         self.confidence_scheduler = self._confidence_scheduler(gamma)
         # (raw confidence logits z_1..z_γ, accepted drafts) of verify-all rounds, when recording
         self.confidence_records: list[tuple[list[float], int]] | None = None
@@ -125,12 +125,7 @@ class Engine:
 
     def cost_fingerprint(self) -> dict:
         """What a cost table must have been measured on to price this engine's steps."""
-        return {"device": self.device.type, "model": self.config.model or "embedded",
-                "dtype": self.config.dtype, "drafter": self.config.spec.drafter,
-                "drafter_config": _file_digest(self.config.spec.drafter, "config.json"),
-                "gamma": self.drafter.config.block_size if self.drafter is not None else 0,
-                "num_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
-                "graph": self.worker.graphs.mode, "buckets": self.worker.graphs.buckets}
+        return cost_fingerprint(self.config, self.drafter, self.worker.graphs, self.device)
 
     def profile(self, cfg) -> "CostTable":  # noqa: F821 (dspark.spec.planner)
         """Measure the cost table of this engine (it must be idle)."""
@@ -144,43 +139,16 @@ class Engine:
         return profile_worker(self.worker, cfg, self.cost_fingerprint())
 
     def _confidence_scheduler(self, gamma: int):
-        """The verify-budget planner, with its cost table checked (or measured) before serving."""
-        spec = self.config.spec
-        if spec.spec_schedule != "confidence":
-            return None
-        from dspark.engine.spec_schedule import ConfidenceScheduler
-        from dspark.spec.planner import CostTable
-        if not self.drafter.config.enable_confidence_head:
-            raise ValueError("confidence scheduling needs a drafter with a confidence head")
-        if spec.cost_table == "auto":
-            from dspark.worker.profile import ProfileConfig
-            sched = self.config.scheduler
-            max_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * (gamma + 1))
-            table = self.profile(ProfileConfig(
-                max_tokens=max_tokens, max_requests=sched.max_num_seqs,
-                context_len=min(256, self.max_model_len - gamma - 1),
-                token_stride=max(1, max_tokens // 32), repeats=3, warmup=1))
-        else:
-            table = CostTable.load(spec.cost_table)
-            table.check_fingerprint(self.cost_fingerprint())
-        if self.sts is not None:
+        """The verify-budget planner (spec_setup.py), with the STS applied on the device too."""
+        planner = confidence_scheduler(self.config, self.drafter, gamma, self.sts, self.max_model_len,
+                                       self.cost_fingerprint(), self.profile)
+        if planner is not None and self.sts is not None:
             self.worker.sts_temperatures = torch.tensor(self.sts.temperatures, device=self.device)
             self.worker.sts_offsets = torch.tensor(self.sts.offset_list(), device=self.device)
-        return ConfidenceScheduler(table, self.sts, gamma, spec.confidence_lag, spec.min_gain,
-                                   spec.probe_interval, cost_correction=spec.cost_correction)
+        return planner
 
     def reset_spec_stats(self) -> None:
         self.spec_stats = SpecStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))
-
-    def _load_sts(self, gamma: int):
-        if self.config.spec.sts is None:
-            return None
-        from dspark.spec.sts import STSCalibration
-        if not self.drafter.config.enable_confidence_head:
-            raise ValueError("an STS calibration was given but the drafter has no confidence head")
-        sts = STSCalibration.load(self.config.spec.sts)
-        sts.validate(gamma)
-        return sts
 
     # ---- intake -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -379,15 +347,6 @@ class Engine:
             text=seq.output_text, token_ids=list(seq.output_token_ids), finished=seq.is_finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, metrics=seq.metrics,
             spec=seq.spec, new_text=new_text, new_token_ids=new_ids)
-
-
-def _file_digest(folder: str | None, name: str) -> str | None:
-    """A short content hash: a drafter replaced in the same folder (another vocabulary, depth or
-    γ) must not be priced with the old drafter's costs."""
-    if folder is None or not os.path.isfile(os.path.join(folder, name)):
-        return None
-    with open(os.path.join(folder, name), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

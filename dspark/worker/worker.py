@@ -114,16 +114,18 @@ class Worker:
 
     def _append_context(self, aux_hidden: torch.Tensor, inputs: StepInputs, drafted: bool) -> None:
         """The step's rows into the drafter's context: now after a drafting step (the next one
-        most likely drafts too), else held for the next drafting step's one append."""
+        most likely drafts too; the held rows went before its drafter pass), else held for the
+        next drafting step's one append."""
         attn = inputs.attn
         args = (aux_hidden, inputs.positions, attn.write_rows, attn.write_slots)
-        if not drafted and not self.deferred.fits(aux_hidden, attn.write_rows):
-            self._timed(self.deferred.make_room)
-        if drafted or not self.deferred.fits(aux_hidden, attn.write_rows):
+        if not drafted:
+            if not self.deferred.fits(aux_hidden, attn.write_rows):
+                self._timed(self.deferred.make_room)
+            if self.deferred.fits(aux_hidden, attn.write_rows):
+                self.deferred.hold(*args)
+                return
             self._timed(self.deferred.flush)                     # held rows go first
-            append_context(self.drafter, self.draft_kv, *args)
-            return
-        self.deferred.hold(*args)
+        append_context(self.drafter, self.draft_kv, *args)
 
     def _timed(self, append) -> None:
         """Append held rows (`DeferredContext.flush` or `make_room`), timed: the step that happens
