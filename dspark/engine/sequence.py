@@ -32,7 +32,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         self.spec = SpecStats()
-        self.confidence_history: list[list[float]] = []   # raw z of recent rounds (newest last)
+        self.survival_history: list = []                   # numpy [γ] STS survivals of recent rounds
         self.steps_without_draft = 0                       # decode steps the planner left undrafted
         self.probe_backoff = 1                             # x the probe interval (doubles per futile probe)
         self.planned_survival = None                       # numpy [γ]: the planner's price of its round

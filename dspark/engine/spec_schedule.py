@@ -1,9 +1,9 @@
 """Confidence scheduling on the host: the verify budget of the next step, before it launches.
 
-Each speculative request remembers the raw confidence logits of its last few rounds. The budget
-of a step uses those from `lag` rounds back (the oldest it has when it has fewer), calibrated by
-STS and by what recent rounds actually accepted (`OnlineSurvivalCorrection`), turned into
-cumulative survivals and handed to the planner with the cost table. A request with no history
+Each speculative request remembers the confidences of its last few rounds, as cumulative
+survivals with STS applied. The budget of a step uses those from `lag` rounds back (the oldest
+it has when it has fewer), corrected by what recent rounds actually accepted
+(`OnlineSurvivalCorrection`), and hands them to the planner with the cost table. A request with no history
 counts as certain (c = 1) as far as its own confidences go, and is priced at the survival the
 population's rounds realise, which starts at 1 and learns; a request whose last round lies `age`
 steps back is priced between the two, its own weight halving every `half_life` undrafted steps,
@@ -63,31 +63,41 @@ class ConfidenceScheduler:
         self.cost_correction = CostCorrection() if cost_correction else None
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
         self.declined_probes = 0         # due probes not run: not even a good case could pay
+        self._no_history = np.zeros(gamma)
+        self._positions = np.arange(gamma)
 
     def record(self, seq: Sequence, confidence_logits: list[float], verified: int, accepted: int) -> None:
-        seq.confidence_history.append(confidence_logits)
-        del seq.confidence_history[:-self.lag]
-        survival = host_survival(np.asarray(confidence_logits), self.temperatures, self.offsets)
+        """A verified round's raw confidences: kept as calibrated survival, the form the planner
+        reads (converted once here, not at every step that prices the request)."""
+        survival = self.survival_of(confidence_logits)
+        seq.survival_history.append(survival)
+        del seq.survival_history[:-self.lag]
         self.correction.observe(survival, verified, accepted)
         if seq.planned_survival is not None:
             self.plan_correction.observe(seq.planned_survival, verified, accepted)
             seq.planned_survival = None
 
+    def survival_of(self, confidence_logits) -> np.ndarray:
+        """[γ] raw confidences of one round -> cumulative survival, STS applied."""
+        return host_survival(np.asarray(confidence_logits, dtype=np.float64), self.temperatures, self.offsets)
+
     def _stale_survival(self, spec: list[ScheduledRequest]) -> np.ndarray:
         """[R, γ] survival from `lag` rounds back, corrected and faded toward the population's
         realised survival by its age (all of it without history); 0 past each request's cap. One
         batched computation for the whole step."""
+        none = self._no_history
         rows, weight = [], []
         for s in spec:
-            history = s.seq.confidence_history
-            rows.append(history[-min(self.lag, len(history))] if history else [0.0] * self.gamma)
+            history = s.seq.survival_history
+            rows.append(history[-min(self.lag, len(history))] if history else none)
             weight.append(0.5 ** (s.seq.steps_without_draft / self.half_life) if history else 0.0)
-        own = self.correction.apply(host_survival(np.asarray(rows, dtype=np.float64), self.temperatures,
-                                                  self.offsets))
-        w = np.asarray(weight)[:, None]
-        survival = w * own + (1.0 - w) * self.correction.realised_survival[None, :]
-        caps = np.asarray([s.verify_len for s in spec])
-        return np.where(np.arange(self.gamma)[None, :] >= caps[:, None], 0.0, survival)
+        own = self.correction.apply(np.array(rows))
+        realised = self.correction.realised_survival
+        survival = realised + np.array(weight)[:, None] * (own - realised)
+        if any(s.verify_len < self.gamma for s in spec):
+            caps = np.array([s.verify_len for s in spec])
+            survival[self._positions[None, :] >= caps[:, None]] = 0.0
+        return survival
 
     def plan(self, scheduled: list[ScheduledRequest], joining_tokens: int = 0) -> StepPlan | None:
         """Which speculative requests draft and how many drafts are verified; None: verify all.

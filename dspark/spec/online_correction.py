@@ -28,6 +28,7 @@ class OnlineSurvivalCorrection:
         self.realised = np.full(gamma, prior_rounds)             # Σ accepted (0/1) per position
         self.hits = np.ones(gamma)                               # population: Σ accepted (0/1)
         self.verified = np.ones(gamma)                           # population: Σ rounds verified
+        self._derived: tuple[np.ndarray, np.ndarray] | None = None   # (factors, realised) until observed
 
     def observe(self, survival, verified: int, accepted: int) -> None:
         """survival [γ] predicted for a round that verified `verified` drafts and accepted `accepted`."""
@@ -39,17 +40,29 @@ class OnlineSurvivalCorrection:
         self.realised[:verified] = self.decay * self.realised[:verified] + hits
         self.hits[:verified] = self.decay * self.hits[:verified] + hits
         self.verified[:verified] = self.decay * self.verified[:verified] + 1.0
+        self._derived = None
+
+    def _derive(self) -> tuple[np.ndarray, np.ndarray]:
+        """Both read-only views of the sums, computed once between observations: the planner
+        reads them every step, and under load most steps observe nothing."""
+        if self._derived is None:
+            factors = self.realised / np.maximum(self.predicted, 1e-6)
+            rate = np.clip(self.hits / np.maximum(self.verified, 1e-6), 0.0, 1.0)
+            realised = np.minimum.accumulate(rate, axis=-1)
+            factors.setflags(write=False)
+            realised.setflags(write=False)
+            self._derived = (factors, realised)
+        return self._derived
 
     @property
     def factors(self) -> np.ndarray:
         """[γ] realised / predicted."""
-        return self.realised / np.maximum(self.predicted, 1e-6)
+        return self._derive()[0]
 
     @property
     def realised_survival(self) -> np.ndarray:
         """[γ] the share of verified drafts accepted at each position, non-increasing, in [0, 1]."""
-        rate = np.clip(self.hits / np.maximum(self.verified, 1e-6), 0.0, 1.0)
-        return np.minimum.accumulate(rate, axis=-1)
+        return self._derive()[1]
 
     def apply(self, survival) -> np.ndarray:
         """[..., γ] -> corrected survival, non-increasing along the block and within [0, 1]."""

@@ -80,8 +80,8 @@ def test_corrected_plan_is_the_brute_force_optimum_of_corrected_costs(seed):
     assert plan_step(s, table, r, r, 0.0, cost_scale=ones) == plan_step(s, table, r, r, 0.0)
 
 
-def _request(history):
-    seq = SimpleNamespace(confidence_history=history, steps_without_draft=0, probe_backoff=1)
+def _request(survivals):
+    seq = SimpleNamespace(survival_history=survivals, steps_without_draft=0, probe_backoff=1)
     return SimpleNamespace(seq=seq, spec=True, sample=True, verify_len=2, num_new_tokens=3)
 
 
@@ -91,12 +91,12 @@ def test_drafted_steps_slower_than_the_table_says_turn_the_planner_plain():
     table cost and plain ones at their table cost, it decodes plainly; without correction it
     keeps drafting."""
     table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [11.0] * 8, draft_ms=[0.0] + [1.0] * 4)
-    sure = [[9.0, -9.0]]                                   # one draft surely accepted, then none
+    sure = [9.0, -9.0]                                     # one draft surely accepted, then none
     for correct in (True, False):
         sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.0, cost_correction=correct)
         for _ in range(50):                                # the population accepts the first draft
             sched.correction.observe(torch.tensor([1.0, 0.0]), verified=2, accepted=1)
-        batch = [_request(list(sure)) for _ in range(4)]
+        batch = [_request([sched.survival_of(sure)]) for _ in range(4)]
         assert all(sched.plan(batch).drafted)
         for _ in range(30):
             sched.observe_step(tokens=4, draft_requests=0, measured_ms=10.0)

@@ -243,7 +243,7 @@ def test_futile_probes_double_the_probe_interval():
     sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=4,
                                 half_life=1e9, cost_correction=False)
     _population(sched, 200, [2, 2, 1, 0, 0])                     # realises about [0.6, 0.4]
-    seqs = [SimpleNamespace(confidence_history=[hopeless], steps_without_draft=0, probe_backoff=1,
+    seqs = [SimpleNamespace(survival_history=[sched.survival_of(hopeless)], steps_without_draft=0, probe_backoff=1,
                             planned_survival=None) for _ in range(4)]
     batch = [SimpleNamespace(seq=s, spec=True, sample=True, verify_len=2, num_new_tokens=3) for s in seqs]
     pattern = []
@@ -320,13 +320,14 @@ def test_old_confidences_fade_toward_the_population_prior():
         sched.correction.observe(torch.ones(2), verified=2, accepted=2)
 
     def priced(age: int, history: list) -> torch.Tensor:
-        seq = SimpleNamespace(confidence_history=history, steps_without_draft=age)
+        seq = SimpleNamespace(survival_history=[sched.survival_of(z) for z in history],
+                              steps_without_draft=age)
         return torch.from_numpy(sched._stale_survival([SimpleNamespace(seq=seq, verify_len=2)])[0])
 
     hopeless = [[-30.0, -30.0]]
     fresh, half, old = priced(0, hopeless), priced(2, hopeless), priced(40, hopeless)
     assert fresh.max() < 1e-6
-    population = torch.from_numpy(sched.correction.realised_survival)
+    population = torch.tensor(sched.correction.realised_survival)
     assert torch.allclose(half, torch.full((2,), 0.5 * float(population[0]), dtype=half.dtype), atol=1e-3)
     assert torch.allclose(old, population, atol=1e-3)
     assert torch.allclose(priced(0, []), population)                       # no history at all
@@ -346,7 +347,8 @@ def test_the_planner_learns_what_its_own_prices_realise():
         sched = ConfidenceScheduler(table, None, gamma=2, lag=2, min_gain=0.0, probe_interval=10**6,
                                     cost_correction=False)
         batch = [SimpleNamespace(seq=SimpleNamespace(
-            confidence_history=[sure, hopeless], steps_without_draft=0, probe_backoff=1,
+            survival_history=[sched.survival_of(sure), sched.survival_of(hopeless)],
+            steps_without_draft=0, probe_backoff=1,
             planned_survival=None), spec=True, sample=True, verify_len=2, num_new_tokens=3)
             for _ in range(4)]                           # lag 2: priced by `sure`
         assert all(sched.plan(batch).drafted)
@@ -354,7 +356,7 @@ def test_the_planner_learns_what_its_own_prices_realise():
             for s in batch:
                 if s.seq.planned_survival is not None:
                     sched.record(s.seq, hopeless, verified=2, accepted=accepted)
-                    s.seq.confidence_history[:] = [sure, hopeless]
+                    s.seq.survival_history[:] = [sched.survival_of(sure), sched.survival_of(hopeless)]
             sched.plan(batch)
         return sched, sched.plan(batch)
 
@@ -381,8 +383,9 @@ def test_a_probe_runs_only_when_a_good_case_pays():
         sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=4,
                                     half_life=1e9, cost_correction=False)
         _population(sched, 200, accepted)
-        seqs = [SimpleNamespace(confidence_history=[hopeless], steps_without_draft=4 if i < due else 0,
-                                probe_backoff=1, planned_survival=None) for i in range(4)]
+        seqs = [SimpleNamespace(survival_history=[sched.survival_of(hopeless)],
+                                steps_without_draft=4 if i < due else 0, probe_backoff=1,
+                                planned_survival=None) for i in range(4)]
         batch = [SimpleNamespace(seq=s, spec=True, sample=True, verify_len=2, num_new_tokens=3)
                  for s in seqs]
         return sched, sched.plan(batch), seqs
@@ -410,7 +413,8 @@ def test_the_scheduler_prices_drafts_on_top_of_the_prefill_that_joins():
     z = math.log(0.3 / 0.7)                               # c = 0.3: survival [0.3, 0.09]
     sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=10**6,
                                 cost_correction=False)
-    batch = [SimpleNamespace(seq=SimpleNamespace(confidence_history=[[z, z]], steps_without_draft=0,
+    batch = [SimpleNamespace(seq=SimpleNamespace(survival_history=[sched.survival_of([z, z])],
+                                                 steps_without_draft=0,
                                                  probe_backoff=1, planned_survival=None),
                              spec=True, sample=True, verify_len=2, num_new_tokens=3) for _ in range(4)]
     alone = sched.plan(batch)
