@@ -3,24 +3,25 @@
 Each speculative request remembers the confidences of its last few rounds, as cumulative
 survivals with STS applied. The budget of a step uses those from `lag` rounds back (the oldest
 it has when it has fewer), corrected by what recent rounds actually accepted
-(`OnlineSurvivalCorrection`), and hands them to the planner with the cost table. A request with no history
-counts as certain (c = 1) as far as its own confidences go, and is priced at the survival the
-population's rounds realise, which starts at 1 and learns; a request whose last round lies `age`
-steps back is priced between the two, its own weight halving every `half_life` undrafted steps,
-so old evidence fades instead of deciding for ever. The planner also leaves out of the drafter
-pass the requests whose drafts are not worth it (they decode one plain token); a request left out
-for its probe interval is due to draft again so that its confidences stay current, and each probe
-that does not convince the planner doubles that request's interval (up to 16x). A due probe runs
-only when the step would pay if the due requests were as good as the population's average round
-(its realised survival): where drafting does not pay on average (at 4 requests and more on this
-project's CPU, or wherever one more drafted request lengthens the step past a bucket) probes
-cost more than they find, and they wait. Pricing them as the population's best quarter instead
-probed every request of a lockstep batch at once, 16 of them in one 51 ms step where plain
-decoding took 15.6 ms, and in one-off A/B runs left the engine 4-14% slower at 4 requests. Only
-information from earlier steps enters, so the plan cannot depend on the drafts it will admit;
-which drafts fill the budget is decided on the device (worker/ragged.py, spec/allocate.py).
-Every step's wall time also goes back to the planner (`observe_step`), which prices later plans
-by what steps of their size took lately rather than by the table alone (spec/cost_correction.py).
+(`OnlineSurvivalCorrection`), and hands them to the planner with the cost table. A request with
+no history counts as certain (c = 1) as far as its own confidences go, and is priced at the
+survival the population's rounds realise, which starts at 1 and learns; a request whose last
+round lies `age` steps back is priced between the two, its own weight halving every `half_life`
+undrafted steps, so old evidence fades instead of deciding for ever. The planner also leaves out
+of the drafter pass the requests whose drafts are not worth it (they decode one plain token); a
+request left out for its probe interval is due to draft again so that its confidences stay
+current, and each probe that does not convince the planner doubles that request's interval (up
+to 16x). A due probe runs only when the step would pay if the due requests were as good as the
+population's average round (its realised survival): where drafting does not pay on average (at 4
+requests and more on this project's CPU, or wherever one more drafted request lengthens the step
+past a bucket) probes cost more than they find, and they wait. Pricing them as the population's
+best quarter instead probed every request of a lockstep batch at once, 16 of them in one 51 ms
+step where plain decoding took 15.6 ms, and in one-off A/B runs left the engine 4-14% slower at
+4 requests. Only information from earlier steps enters, so the plan cannot depend on the drafts
+it will admit; which drafts fill the budget is decided on the device (worker/ragged.py,
+spec/allocate.py). Every step's wall time also goes back to the planner (`observe_step`), which
+prices later plans by what steps of their size took lately rather than by the table alone
+(spec/cost_correction.py).
 
 A second correction checks the planner against itself: what it priced each drafted request at
 (stale, faded confidences, before this correction) against what that round then accepted. The
