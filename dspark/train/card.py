@@ -19,19 +19,28 @@ from dspark.train.plot import read_log
 CURVES = "training_curves.png"
 
 
-def _data_section(data_dir: str, max_len: int, min_loss_tokens: int) -> list[str]:
-    with open(os.path.join(data_dir, MANIFEST)) as f:
-        pinned = json.load(f)["pinned"]
-    lines = ["| split | sequences | chat / code | response tokens | all tokens |", "|---|---|---|---|---|"]
-    for name, heldout in (("train", False), ("held-out", True)):
-        samples = load_samples(data_dir, heldout, max_len, min_loss_tokens)
+def _data_section(data_dirs: tuple[str, ...], max_len: int, min_loss_tokens: int) -> list[str]:
+    """One table row per split and folder: training reads every folder's train split, the
+    held-out evals read the first folder's held-out split."""
+    lines = ["| data | split | sequences | chat / code | response tokens | all tokens |",
+             "|---|---|---|---|---|---|"]
+    splits = [(i, "train", False) for i in range(len(data_dirs))] + [(0, "held-out", True)]
+    for i, name, heldout in splits:
+        samples = load_samples(data_dirs[i], heldout, max_len, min_loss_tokens)
         kinds = Counter("chat" if s.kind == "chat" else "code" for s in samples)
         loss = sum(int(s.loss_mask.sum()) for s in samples)
         total = sum(s.tokens.numel() for s in samples)
-        lines.append(f"| {name} | {len(samples)} | {kinds['chat']} / {kinds['code']} | {loss} | {total} |")
-    lines += ["", f"Responses sampled from the target at temperature {pinned['temperature']}, top-p "
-              f"{pinned['top_p']}, at most {pinned['max_tokens']} tokens, prompts of at most "
-              f"{pinned['max_prompt_tokens']} tokens (sources: docs/training_data.md)."]
+        lines.append(f"| {chr(ord('A') + i)} | {name} | {len(samples)} | {kinds['chat']} / "
+                     f"{kinds['code']} | {loss} | {total} |")
+    lines.append("")
+    for i, data_dir in enumerate(data_dirs):
+        with open(os.path.join(data_dir, MANIFEST)) as f:
+            pinned = json.load(f)["pinned"]
+        lines.append(f"{chr(ord('A') + i)}: responses sampled from the target at temperature "
+                     f"{pinned['temperature']}, top-p {pinned['top_p']}, at most "
+                     f"{pinned['max_tokens']} tokens, prompts of at most "
+                     f"{pinned['max_prompt_tokens']} tokens.")
+    lines += ["", "Prompt sources: docs/training_data.md."]
     return lines
 
 
@@ -70,7 +79,7 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
         f"format. {num_params / 1e6:.1f}M trainable parameters; embeddings and LM head are the "
         f"target's (frozen, not stored). Context features: target layers "
         f"{list(cfg.target_layer_ids)}; mask token {cfg.mask_token_id}.", "",
-        "## Data", "", *_data_section(cfg.data_path, cfg.max_seq_len, cfg.min_loss_tokens), "",
+        "## Data", "", *_data_section(cfg.train_data_paths, cfg.max_seq_len, cfg.min_loss_tokens), "",
         "## Training", "",
         f"`dspark train-draft`: {steps} steps of {cfg.batch_size} sequences × {cfg.anchors_per_seq} "
         f"anchor blocks, AdamW lr {cfg.lr} (warm-up {cfg.warmup_fraction:.0%}, cosine), grad clip "

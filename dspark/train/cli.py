@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run directory: checkpoint, log, plots (and data)")
     p.add_argument("--data-dir", default=None, help="data shards (default: <out>/data)")
+    p.add_argument("--extra-data-dir", dest="extra_data_dirs", action="append", default=None,
+                   metavar="DIR", help="another data folder whose train split joins the first's "
+                                       "(repeatable; its held-out split must agree)")
     p.add_argument("--model", default=None, help="target HF folder or .gguf (default: embedded SmolLM2)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: with other jobs on the same two cores, two "
@@ -106,6 +109,7 @@ def train_config(args) -> TrainConfig:
     explicit["markov_head_type"] = args.markov_head_type
     explicit["bf16"] = args.bf16
     explicit["data_dir"] = args.data_dir
+    explicit["extra_data_dirs"] = args.extra_data_dirs and tuple(args.extra_data_dirs)
     explicit["model"] = args.model
     if args.target_layer_ids:
         explicit["target_layer_ids"] = tuple(int(x) for x in args.target_layer_ids.split(","))
@@ -116,7 +120,7 @@ def train_config(args) -> TrainConfig:
                              f"flags for {arch}")
         explicit["init_from"] = args.init_from
     changed = {k: (saved[k], v) for k, v in explicit.items()
-               if v is not None and k in saved and saved[k] != v}
+               if v is not None and k in saved and saved[k] != (list(v) if isinstance(v, tuple) else v)}
     if changed:
         logger.warning("overriding the run's saved settings (saved, new): %s", changed)
     fields.update({k: v for k, v in explicit.items() if v is not None})

@@ -238,6 +238,25 @@ def load_samples(data_dir: str, heldout: bool, max_len: int = 1024,
     return out
 
 
+def check_splits_agree(data_dirs: Sequence[str]) -> None:
+    """Folders trained on together (say, responses sampled at two temperatures for the same
+    prompts) must split their prompts alike: a prompt held out in one folder and trained on in
+    another would put held-out text into training and flatter every held-out figure."""
+    seen: dict[str, tuple[bool, str]] = {}
+    for data_dir in data_dirs:
+        if not shard_paths(data_dir):
+            raise FileNotFoundError(f"{data_dir!r} holds no data shards")
+        for path in shard_paths(data_dir):
+            shard = read_shard(path)
+            for uid, heldout in zip(shard["uids"], shard["heldout"].tolist()):
+                first, where = seen.setdefault(uid, (heldout, data_dir))
+                if first != heldout:
+                    split = {True: "held out", False: "trained on"}
+                    raise ValueError(f"prompt {uid!r} is {split[first]} in {where!r} but "
+                                     f"{split[heldout]} in {data_dir!r}: generate both folders "
+                                     f"with the same --seed and --heldout-fraction")
+
+
 class EpochSampler:
     """Sequence indices in a fresh seeded permutation per epoch; its cursor is checkpointed."""
 

@@ -28,7 +28,8 @@ ARCH_FIELDS = ("model", "block_size", "num_draft_layers", "markov_rank", "markov
 @dataclass
 class TrainConfig:
     out_dir: str
-    data_dir: str | None = None            # default <out_dir>/data
+    data_dir: str | None = None            # default <out_dir>/data; held-out evals come from it
+    extra_data_dirs: tuple[str, ...] = ()  # more folders whose train splits join data_dir's
     model: str | None = None               # target; None = embedded SmolLM2-135M-Instruct
     target_dtype: str = "bfloat16"
     # drafter (γ drafts per block; layer shapes are copied from the target)
@@ -62,6 +63,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
             self.loss = LossWeights(**self.loss)
+        self.extra_data_dirs = tuple(self.extra_data_dirs)
         if self.target_layer_ids is not None:
             self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
         if min(self.block_size, self.num_draft_layers, self.steps, self.batch_size,
@@ -74,6 +76,10 @@ class TrainConfig:
     @property
     def data_path(self) -> str:
         return self.data_dir or os.path.join(self.out_dir, "data")
+
+    @property
+    def train_data_paths(self) -> tuple[str, ...]:
+        return (self.data_path, *self.extra_data_dirs)
 
 
 def read_saved_config(out_dir: str) -> dict | None:

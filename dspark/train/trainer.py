@@ -25,7 +25,8 @@ from dspark.config import DTYPES
 from dspark.models.drafter import Drafter
 from dspark.models.drafter_loader import load_drafter, save_speculators
 from dspark.models.loader import LoadedTarget, load_target
-from dspark.train.data import EpochSampler, Sample, atomic_save, load_samples
+from dspark.train.data import (EpochSampler, Sample, atomic_save, check_splits_agree,
+                               load_samples)
 from dspark.train.features import TargetFeatureExtractor
 from dspark.train.forward import MetricPool, StepMetrics, training_forward
 from dspark.train.loss import LossOutput, build_block_batch
@@ -82,8 +83,10 @@ class Trainer:
         self.train_samples: list[Sample] = []
         self.eval_samples: list[Sample] = []
         if load_data:
-            self.train_samples = load_samples(self.cfg.data_path, False, self.cfg.max_seq_len,
-                                              self.cfg.min_loss_tokens)
+            check_splits_agree(self.cfg.train_data_paths)
+            self.train_samples = [s for path in self.cfg.train_data_paths
+                                  for s in load_samples(path, False, self.cfg.max_seq_len,
+                                                        self.cfg.min_loss_tokens)]
             self.eval_samples = load_samples(self.cfg.data_path, True, self.cfg.max_seq_len,
                                              self.cfg.min_loss_tokens)[:self.cfg.eval_sequences]
         self.sampler = EpochSampler(len(self.train_samples), self.cfg.seed) if load_data else None

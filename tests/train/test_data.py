@@ -5,8 +5,8 @@ import textwrap
 
 import pytest
 
-from dspark.train.data import (EpochSampler, GenerateConfig, done_uids, generate_shards, load_samples,
-                               read_shard, shard_paths)
+from dspark.train.data import (EpochSampler, GenerateConfig, check_splits_agree, done_uids,
+                               generate_shards, load_samples, read_shard, shard_paths)
 from dspark.train.prompts import build_prompts, code_sources, is_heldout, module_summaries
 from train_helpers import generate_tiny_data, tiny_prompts, tiny_target
 
@@ -111,6 +111,27 @@ def test_load_samples_split_and_truncation(tmp_path):
     held = load_samples(cfg.data_dir, heldout=True, max_len=14, min_loss_tokens=1)
     assert len(train) + len(held) == 20 and len(held) == 4                # every 5th prompt
     assert all(s.tokens.shape[0] <= 14 and s.tokens.shape == s.loss_mask.shape for s in train)
+
+
+def test_folders_trained_together_must_split_their_prompts_alike(tmp_path):
+    """A second response set for the same prompts may join training only if every prompt is on
+    the same side of the held-out split in both."""
+    target = tiny_target(str(tmp_path / "t"))
+    first = generate_tiny_data(target, str(tmp_path / "a"), num=10, max_tokens=6, chunk_size=5)
+    same = GenerateConfig(**{**first.__dict__, "data_dir": str(tmp_path / "b"), "temperature": 1.0})
+    generate_shards(_tiny_llm(target), tiny_prompts(12), same)        # a superset: fine
+    check_splits_agree([first.data_dir, same.data_dir])
+    other = GenerateConfig(**{**same.__dict__, "data_dir": str(tmp_path / "c")})
+    generate_shards(_tiny_llm(target), tiny_prompts(10, heldout_every=3), other)
+    with pytest.raises(ValueError, match="prompt 'p3' is trained on in .* but held out in .*/c'"):
+        check_splits_agree([first.data_dir, same.data_dir, other.data_dir])
+    with pytest.raises(FileNotFoundError, match="holds no data shards"):
+        check_splits_agree([first.data_dir, str(tmp_path / "empty")])
+
+
+def _tiny_llm(target: str):
+    from dspark.llm import LLM
+    return LLM(target, dtype="float32", max_num_seqs=16, max_model_len=64, graph="eager")
 
 
 def test_epoch_sampler_covers_each_epoch_and_restores_its_cursor():

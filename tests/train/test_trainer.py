@@ -246,6 +246,31 @@ def test_every_markov_head_trains(tiny_run, head):
     assert trainer.drafter.markov_head.markov_w2.weight.grad is not None
 
 
+def test_extra_data_folders_join_training_but_not_the_heldout_eval(tiny_run):
+    """Training reads every folder's train split; evals keep reading the first folder's held-out
+    split, so a run that adds data stays comparable with one that did not."""
+    from dspark.train.data import GenerateConfig, generate_shards, load_samples
+    from dspark.llm import LLM
+    from train_helpers import tiny_prompts
+    extra = GenerateConfig(**{**json.load(open(os.path.join(tiny_run.data, "manifest.json")))["config"],
+                              "data_dir": str(tiny_run.root / "extra_data"), "temperature": 1.0})
+    llm = LLM(tiny_run.target, dtype="float32", max_num_seqs=16, max_model_len=64, graph="eager")
+    generate_shards(llm, tiny_prompts(30), extra)
+    one = Trainer(config(tiny_run, "one_folder", eval_sequences=64))
+    two = Trainer(config(tiny_run, "two_folders", eval_sequences=64,
+                         extra_data_dirs=[extra.data_dir]))
+    extra_train = load_samples(extra.data_dir, False, two.cfg.max_seq_len, two.cfg.min_loss_tokens)
+    assert len(extra_train) > 0
+    assert len(two.train_samples) == len(one.train_samples) + len(extra_train)
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in
+               zip(two.train_samples[len(one.train_samples):], extra_train))
+    assert [s.tokens.tolist() for s in two.eval_samples] == [s.tokens.tolist() for s in one.eval_samples]
+    two.train(use_tqdm=False)
+    exported = two.export(str(tiny_run.root / "two_folders_export"), torch.float32)
+    card = open(two.write_card(exported)).read()
+    assert f"| B | train | {len(extra_train)} |" in card and "B: responses sampled from the target at temperature 1.0" in card
+
+
 def test_cli_trains_resumes_exports_and_plots(tiny_run, capsys):
     import argparse
     parser = argparse.ArgumentParser()
