@@ -119,8 +119,9 @@ def train_config(args) -> TrainConfig:
             raise ValueError(f"--init-from takes the architecture from the drafter; drop the "
                              f"flags for {arch}")
         explicit["init_from"] = args.init_from
+    as_json = {k: list(v) if isinstance(v, tuple) else v for k, v in explicit.items()}
     changed = {k: (saved[k], v) for k, v in explicit.items()
-               if v is not None and k in saved and saved[k] != (list(v) if isinstance(v, tuple) else v)}
+               if v is not None and k in saved and saved[k] != as_json[k]}
     if changed:
         logger.warning("overriding the run's saved settings (saved, new): %s", changed)
     fields.update({k: v for k, v in explicit.items() if v is not None})
