@@ -80,7 +80,8 @@ class ConfidenceScheduler:
 
     def survival_of(self, confidence_logits) -> np.ndarray:
         """[γ] raw confidences of one round -> cumulative survival, STS applied."""
-        return host_survival(np.asarray(confidence_logits, dtype=np.float64), self.temperatures, self.offsets)
+        z = np.asarray(confidence_logits, dtype=np.float64)
+        return host_survival(z, self.temperatures, self.offsets)
 
     def _stale_survival(self, spec: list[ScheduledRequest]) -> np.ndarray:
         """[R, γ] survival from `lag` rounds back, corrected and faded toward the population's

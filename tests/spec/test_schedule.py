@@ -243,8 +243,8 @@ def test_futile_probes_double_the_probe_interval():
     sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=4,
                                 half_life=1e9, cost_correction=False)
     _population(sched, 200, [2, 2, 1, 0, 0])                     # realises about [0.6, 0.4]
-    seqs = [SimpleNamespace(survival_history=[sched.survival_of(hopeless)], steps_without_draft=0, probe_backoff=1,
-                            planned_survival=None) for _ in range(4)]
+    seqs = [SimpleNamespace(survival_history=[sched.survival_of(hopeless)], steps_without_draft=0,
+                            probe_backoff=1, planned_survival=None) for _ in range(4)]
     batch = [SimpleNamespace(seq=s, spec=True, sample=True, verify_len=2, num_new_tokens=3) for s in seqs]
     pattern = []
     for _ in range(200):

@@ -8,7 +8,7 @@ import pytest
 from dspark.train.data import (EpochSampler, GenerateConfig, check_splits_agree, done_uids,
                                generate_shards, load_samples, read_shard, shard_paths)
 from dspark.train.prompts import build_prompts, code_sources, is_heldout, module_summaries
-from train_helpers import generate_tiny_data, tiny_prompts, tiny_target
+from train_helpers import generate_tiny_data, tiny_engine, tiny_prompts, tiny_target
 
 MODULE = textwrap.dedent('''
     """Tools for counting sheep in a small field."""
@@ -119,19 +119,14 @@ def test_folders_trained_together_must_split_their_prompts_alike(tmp_path):
     target = tiny_target(str(tmp_path / "t"))
     first = generate_tiny_data(target, str(tmp_path / "a"), num=10, max_tokens=6, chunk_size=5)
     same = GenerateConfig(**{**first.__dict__, "data_dir": str(tmp_path / "b"), "temperature": 1.0})
-    generate_shards(_tiny_llm(target), tiny_prompts(12), same)        # a superset: fine
+    generate_shards(tiny_engine(target), tiny_prompts(12), same)        # a superset: fine
     check_splits_agree([first.data_dir, same.data_dir])
     other = GenerateConfig(**{**same.__dict__, "data_dir": str(tmp_path / "c")})
-    generate_shards(_tiny_llm(target), tiny_prompts(10, heldout_every=3), other)
+    generate_shards(tiny_engine(target), tiny_prompts(10, heldout_every=3), other)
     with pytest.raises(ValueError, match="prompt 'p3' is trained on in .* but held out in .*/c'"):
         check_splits_agree([first.data_dir, same.data_dir, other.data_dir])
     with pytest.raises(FileNotFoundError, match="holds no data shards"):
         check_splits_agree([first.data_dir, str(tmp_path / "empty")])
-
-
-def _tiny_llm(target: str):
-    from dspark.llm import LLM
-    return LLM(target, dtype="float32", max_num_seqs=16, max_model_len=64, graph="eager")
 
 
 def test_epoch_sampler_covers_each_epoch_and_restores_its_cursor():

@@ -250,13 +250,11 @@ def test_extra_data_folders_join_training_but_not_the_heldout_eval(tiny_run):
     """Training reads every folder's train split; evals keep reading the first folder's held-out
     split, so a run that adds data stays comparable with one that did not."""
     from dspark.train.data import GenerateConfig, generate_shards, load_samples
-    from dspark.llm import LLM
-    from train_helpers import tiny_prompts
+    from train_helpers import tiny_engine, tiny_prompts
     first = json.load(open(os.path.join(tiny_run.data, "manifest.json")))["config"]
     extra = GenerateConfig(**{**first, "data_dir": str(tiny_run.root / "extra_data"),
                               "temperature": 1.0})
-    llm = LLM(tiny_run.target, dtype="float32", max_num_seqs=16, max_model_len=64, graph="eager")
-    generate_shards(llm, tiny_prompts(30), extra)
+    generate_shards(tiny_engine(tiny_run.target), tiny_prompts(30), extra)
     one = Trainer(config(tiny_run, "one_folder", eval_sequences=64))
     two = Trainer(config(tiny_run, "two_folders", eval_sequences=64,
                          extra_data_dirs=[extra.data_dir]))

@@ -28,14 +28,18 @@ def tiny_prompts(num: int, seed: int = 0, heldout_every: int = 5) -> list[Encode
     return out
 
 
+def tiny_engine(target_dir: str):
+    """The engine that generates a tiny target's responses."""
+    from dspark.llm import LLM
+    return LLM(target_dir, dtype="float32", max_num_seqs=16, max_model_len=64, graph="eager")
+
+
 def generate_tiny_data(target_dir: str, data_dir: str, num: int = 40, max_tokens: int = 32,
                        chunk_size: int = 16) -> GenerateConfig:
-    from dspark.llm import LLM
     cfg = GenerateConfig(data_dir=data_dir, num_prompts=num, max_tokens=max_tokens,
                          chunk_size=chunk_size, model=target_dir, dtype="float32",
                          temperature=0.7, top_p=0.8)
-    llm = LLM(target_dir, dtype="float32", max_num_seqs=16, max_model_len=64, graph="eager")
-    generate_shards(llm, tiny_prompts(num), cfg)
+    generate_shards(tiny_engine(target_dir), tiny_prompts(num), cfg)
     return cfg
 
 
