@@ -51,6 +51,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     gen.add_argument("--chat-fraction", type=float, default=0.5)
     gen.add_argument("--chunk-size", type=int, default=256, help="prompts per shard")
     gen.add_argument("--max-num-seqs", type=int, default=64, help="engine batch while generating")
+    gen.add_argument("--heldout-only", action="store_true",
+                     help="generate only the held-out split (for bench --data or calibrate on a "
+                          "machine without the run's data; a later run without it adds the rest)")
     tr = p.add_argument_group("training (unset: the run's saved value, else the default)")
     for flag, field, kind, help_text in TRAIN_FLAGS:
         tr.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
@@ -95,7 +98,8 @@ def generate_config(args) -> GenerateConfig:
         seed=args.seed or 0, heldout_fraction=args.heldout_fraction,
         chat_fraction=args.chat_fraction, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, chunk_size=args.chunk_size,
-        max_num_seqs=args.max_num_seqs, model=args.model, threads=args.threads)
+        max_num_seqs=args.max_num_seqs, model=args.model, threads=args.threads,
+        heldout_only=args.heldout_only)
 
 
 def train_config(args) -> TrainConfig:

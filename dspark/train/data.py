@@ -54,6 +54,7 @@ class GenerateConfig:
     model: str | None = None          # None = the embedded SmolLM2-135M-Instruct
     dtype: str = "bfloat16"
     threads: int | None = None        # torch CPU threads (None: leave as is)
+    heldout_only: bool = False        # only the held-out split (a later full run adds the rest)
 
 
 @dataclass
@@ -174,15 +175,18 @@ def generate_shards(llm, prompts: Sequence[EncodedPrompt], cfg: GenerateConfig) 
 
     Each request carries a seed derived from its uid, so its random draws do not depend on which
     other prompts share its batch: a resumed run writes what an uninterrupted one would have
-    (up to the last bits of batched bf16 matmuls, which can differ with the batch shape).
+    (up to the last bits of batched bf16 matmuls, which can differ with the batch shape). So
+    `heldout_only` (evaluating or calibrating on a machine without a run's data) writes the
+    held-out responses a full run would, and a full run later adds the train split beside them.
     """
     _check_manifest(cfg)
     done = done_uids(cfg.data_dir)
-    todo = [p for p in prompts if p.uid not in done]
+    todo = [p for p in prompts if p.uid not in done and (p.heldout or not cfg.heldout_only)]
     base = sampling_params(cfg)
     next_index = _next_shard_index(cfg.data_dir)
-    logger.info("%d prompts, %d already generated, %d to go", len(prompts), len(prompts) - len(todo),
-                len(todo))
+    logger.info("%d prompts, %d already generated, %d to go%s", len(prompts),
+                sum(p.uid in done for p in prompts), len(todo),
+                " (held-out split only)" if cfg.heldout_only else "")
     start, new_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(todo), desc="generate", unit="prompt")
     for lo in range(0, len(todo), cfg.chunk_size):

@@ -138,3 +138,21 @@ def test_epoch_sampler_covers_each_epoch_and_restores_its_cursor():
     t = EpochSampler(10, seed=3)
     t.load_state_dict(state)
     assert t.next_batch(7) == expected
+
+
+def test_heldout_only_writes_what_a_full_run_would_and_a_full_run_completes_it(tmp_path):
+    """A held-out-only folder (evaluation on a machine without the run's data) holds the very
+    responses a full run writes for those prompts, and a later full run adds just the rest."""
+    target = tiny_target(str(tmp_path / "t"))
+    full = generate_tiny_data(target, str(tmp_path / "full"), num=20, max_tokens=8, chunk_size=8)
+    held = GenerateConfig(**{**full.__dict__, "data_dir": str(tmp_path / "held"), "heldout_only": True})
+    prompts = tiny_prompts(20)
+    assert generate_shards(tiny_engine(target), prompts, held) == 4           # every 5th prompt
+    expected = {uid: toks for p in shard_paths(full.data_dir) for uid, toks in by_uid(read_shard(p)).items()}
+    written = {uid: toks for p in shard_paths(held.data_dir) for uid, toks in by_uid(read_shard(p)).items()}
+    assert set(written) == {p.uid for p in prompts if p.heldout}
+    assert all(written[uid] == expected[uid] for uid in written)
+    rest = GenerateConfig(**{**held.__dict__, "heldout_only": False})
+    assert generate_shards(tiny_engine(target), prompts, rest) == 16
+    assert done_uids(held.data_dir) == done_uids(full.data_dir)
+    assert len(load_samples(held.data_dir, heldout=True, min_loss_tokens=1)) == 4
