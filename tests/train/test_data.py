@@ -79,6 +79,10 @@ def by_uid(shard: dict) -> dict[str, list[int]]:
     return {uid: shard["tokens"][offsets[i]:offsets[i + 1]].tolist() for i, uid in enumerate(shard["uids"])}
 
 
+def folder_by_uid(data_dir: str) -> dict[str, list[int]]:
+    return {uid: toks for path in shard_paths(data_dir) for uid, toks in by_uid(read_shard(path)).items()}
+
+
 def test_generation_writes_shards_and_resumes_identically(tmp_path):
     target = tiny_target(str(tmp_path / "t"))
     cfg = generate_tiny_data(target, str(tmp_path / "d"), num=20, max_tokens=12, chunk_size=8)
@@ -148,8 +152,7 @@ def test_heldout_only_writes_what_a_full_run_would_and_a_full_run_completes_it(t
     held = GenerateConfig(**{**full.__dict__, "data_dir": str(tmp_path / "held"), "heldout_only": True})
     prompts = tiny_prompts(20)
     assert generate_shards(tiny_engine(target), prompts, held) == 4           # every 5th prompt
-    expected = {uid: toks for p in shard_paths(full.data_dir) for uid, toks in by_uid(read_shard(p)).items()}
-    written = {uid: toks for p in shard_paths(held.data_dir) for uid, toks in by_uid(read_shard(p)).items()}
+    expected, written = folder_by_uid(full.data_dir), folder_by_uid(held.data_dir)
     assert set(written) == {p.uid for p in prompts if p.heldout}
     assert all(written[uid] == expected[uid] for uid in written)
     rest = GenerateConfig(**{**held.__dict__, "heldout_only": False})
