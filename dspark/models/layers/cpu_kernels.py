@@ -189,7 +189,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     block_tables [R, NB] (key l of request r lives in slot table[r, l // block_size] *
     block_size + l % block_size), token_keys [T, 3] = (request, first key, end key) -> [T, H, D]
     bf16. Scores and softmax in fp32 (the torch path rounds scores to bf16 first). tiles: score
-    through AMX (default: where the CPU has it) or with AVX512-BF16 dot products."""
+    through AMX (default: where the CPU has it) or with AVX512-BF16 dot products, which also
+    weigh the values with the softmax rounded to bf16, as the torch path does."""
     tiles = tiles_available() if tiles is None else tiles
     return torch.ops.dspark_cpu.paged_attention_bf16(q, k_cache, v_cache, block_tables, token_keys,
                                                     block_size, scale, tiles)

@@ -92,6 +92,7 @@ inline void for_each_key(const uint16_t* cache, const uint16_t* extra_rows, cons
 // A thread's working memory for the attention of a group, reused from group to group.
 struct RowScratch {
   std::vector<float> scores;
+  std::vector<uint16_t> weights;           // the vector path's bf16 softmax weights
   std::vector<const uint16_t*> keys, values;
 };
 

@@ -7,7 +7,7 @@
 // the block table, the query rows of a request's consecutive tokens sharing each key read:
 // scores through AMX tiles where the CPU has them (tile_attention.cpp), else by VDPBF16PS against
 // keys transposed 16 at a time (vector_attention.cpp); then an fp32 softmax and the weighted
-// values summed in fp32.
+// values summed in fp32 (from bf16 weights on the vector path).
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
