@@ -23,6 +23,8 @@ int64_t first_nan(const float* x, int64_t n) {
   return -1;
 }
 
+}  // namespace
+
 int64_t argmax_row(const float* x, int64_t n) {
   const int64_t nan = first_nan(x, n);
   if (nan >= 0) return nan;
@@ -39,6 +41,8 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
   return 0;                              // every entry -inf: the first, as torch answers
 }
+
+namespace {
 
 at::Tensor argmax_rows_f32(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0,

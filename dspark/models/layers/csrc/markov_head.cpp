@@ -5,7 +5,8 @@
 // projection to the draft vocabulary, an add, an argmax, the confidence projection): some
 // eighty torch operators a round whose arithmetic is a few hundred microseconds. The projection
 // and the confidence projection are the projection kernel the module path uses (AMX or AVX512-BF16,
-// as `amx` says), so they have the same bits; the argmax keeps the first maximum, as torch's does.
+// as `amx` says), so they have the same bits; the argmax keeps the first maximum, as torch's does,
+// 16 lanes at a time (argmax_row): element by element it was half of the head's time.
 #include "cpu_kernels.h"
 
 #include <torch/library.h>
@@ -47,6 +48,7 @@ std::tuple<at::Tensor, at::Tensor> markov_greedy_bf16(const at::Tensor& base, co
   auto* tok = tokens.data_ptr<int64_t>();
   std::vector<int64_t> prev(ac.data_ptr<int64_t>(), ac.data_ptr<int64_t>() + rows);
   std::vector<bf16> e(rows * rank), bias(rows * vocab), feats(rows * (d + rank)), z(rows);
+  std::vector<float> logits(vocab);
   for (int64_t k = 0; k < gamma; ++k) {
     for (int64_t m = 0; m < rows; ++m) {
       TORCH_CHECK(prev[m] >= 0 && prev[m] < w1c.size(0), "markov_greedy_bf16: token ", prev[m], " is outside W1");
@@ -56,12 +58,11 @@ std::tuple<at::Tensor, at::Tensor> markov_greedy_bf16(const at::Tensor& base, co
     for (int64_t m = 0; m < rows; ++m) {
       const float* u = bc.data_ptr<float>() + (m * gamma + k) * vocab;
       const bf16* b = bias.data() + m * vocab;
-      int64_t best = 0;
-      float top = u[0] + static_cast<float>(b[0]);
-      for (int64_t v = 1; v < vocab; ++v) {
-        const float x = u[v] + static_cast<float>(b[v]);
-        if (x > top || (std::isnan(x) && !std::isnan(top))) top = x, best = v;
+      for (int64_t v = 0; v < vocab; v += 16) {
+        const __mmask16 l = lanes(vocab - v);
+        _mm512_mask_storeu_ps(logits.data() + v, l, _mm512_add_ps(_mm512_maskz_loadu_ps(l, u + v), load16(b + v, l)));
       }
+      const int64_t best = argmax_row(logits.data(), vocab);
       if (conf) {                            // [h_k ; e] through the head's own projection
         std::copy(hc.data_ptr<bf16>() + (m * gamma + k) * d, hc.data_ptr<bf16>() + (m * gamma + k + 1) * d,
                   feats.data() + m * (d + rank));
