@@ -148,7 +148,8 @@ def _attention_reference(q, k_cache, v_cache, tables, token_keys, block_size, sc
 @needs_kernels
 @pytest.mark.parametrize("tiles", KERNEL_PATHS)
 @pytest.mark.parametrize("r,heads,kv_heads,d,block_size,kv_len", [
-    (1, 9, 3, 64, 16, 100), (4, 8, 2, 80, 4, 37), (3, 4, 4, 16, 8, 5), (2, 6, 1, 128, 16, 300)])
+    (1, 9, 3, 64, 16, 100), (4, 8, 2, 80, 4, 37), (3, 4, 4, 16, 8, 5), (2, 6, 1, 128, 16, 300),
+    (1, 9, 3, 64, 16, 2001)])                     # the last: 1000 pairs of bf16-weighted values and an odd one
 def test_paged_attention_matches_an_fp32_reference(r, heads, kv_heads, d, block_size, kv_len, tiles):
     k_cache, v_cache, tables, g = _paged(r, kv_heads, d, block_size, kv_len, seed=r * d + kv_len)
     # per request a decode row or a verify block at the end of a shorter context, one windowed
