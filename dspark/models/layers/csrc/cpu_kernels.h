@@ -48,10 +48,10 @@ struct AttentionShape {
   int64_t heads, kv_heads, dim, block_size, blocks_per_req;
 };
 
-// y [rows, out] = x [rows, in] @ w^T (+ bias), rows <= 64, from amx_pack(w); check_linear first.
 // The index of the first maximum of x[0..n), or of its first NaN (torch.argmax's answer).
 int64_t argmax_row(const float* x, int64_t n);
 
+// y [rows, out] = x [rows, in] @ w^T (+ bias), rows <= 64, from amx_pack(w); check_linear first.
 // amx: through AMX tiles (needs amx_init); otherwise AVX512-BF16 dot products (linear_rows_vector).
 void linear_rows(const at::BFloat16* x, int64_t rows, int64_t in, const at::Tensor& packed, int64_t out,
                  const at::BFloat16* bias, at::BFloat16* y, bool amx);
