@@ -11,7 +11,6 @@
 
 #include <torch/library.h>
 
-#include <cmath>
 #include <vector>
 
 namespace dspark_cpu {

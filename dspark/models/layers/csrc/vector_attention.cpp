@@ -188,15 +188,6 @@ struct PairSums {
   }
 };
 
-// Each row's pair of weights for keys l and l + 1 (l + 1 < end), or key l alone (l + 1 == end).
-template <int N>
-inline void weight_pairs(const uint16_t* const* w, int64_t l, int64_t end, uint32_t* wd) {
-  for (int r = 0; r < N; ++r) {
-    if (l + 1 < end) std::memcpy(wd + r, w[r] + l, sizeof(uint32_t));
-    else wd[r] = w[r][l];
-  }
-}
-
 // out[r] = Σ_l w[r][l] · V[l] / total[r] for N rows. The context keys [0, context) pair up from
 // key 0 and the block keys [context, len) from their first, so a row's keys always meet in the
 // same pairs and the same order whatever group it is in (a weight of 0 adds an exact 0).
@@ -209,9 +200,14 @@ void weigh_rows(const uint16_t* const* w, const float* total, const std::vector<
     alignas(64) uint32_t wd[N];
     const std::pair<int64_t, int64_t> segments[2] = {{0, context}, {context, len}};
     for (const auto& [begin, end] : segments) {
-      for (int64_t l = begin; l < end; l += 2) {
-        weight_pairs<N>(w, l, end, wd);
-        sums.add(values[l] + d0, l + 1 < end ? values[l + 1] + d0 : kZeroKey, wd, m0, m1);
+      int64_t l = begin;
+      for (; l + 1 < end; l += 2) {          // each row's two weights, one dword
+        for (int r = 0; r < N; ++r) std::memcpy(wd + r, w[r] + l, sizeof(uint32_t));
+        sums.add(values[l] + d0, values[l + 1] + d0, wd, m0, m1);
+      }
+      if (l < end) {                           // an odd last key: its partner is a zero row
+        for (int r = 0; r < N; ++r) wd[r] = w[r][l];
+        sums.add(values[l] + d0, kZeroKey, wd, m0, m1);
       }
     }
     for (int r = 0; r < N; ++r) sums.store(r, total[r] > 0.0f ? 1.0f / total[r] : 0.0f, out[r] + d0, m0, m1);
