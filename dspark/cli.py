@@ -1,4 +1,5 @@
-"""The `dspark` command line: generate | chat | demo | serve | calibrate | train-draft | bench."""
+"""The `dspark` command line: generate | chat | demo | serve | calibrate | profile |
+train-draft | prune-vocab | bench."""
 
 from __future__ import annotations
 
