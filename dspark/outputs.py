@@ -72,9 +72,10 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None          # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None      # the stop string or stop token id that ended it
     metrics: RequestMetrics
     spec: SpecStats = field(default_factory=SpecStats)
     new_text: str = ""                 # text added since the previous output (streaming)
     new_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None           # why the engine failed this request (finish_reason "error")

@@ -1,13 +1,30 @@
-"""Per-request sampling parameters, validated at construction so bad input fails before queueing."""
+"""Per-request sampling parameters, validated at construction so bad input fails before queueing.
+
+Every value must also be representable where the engine puts it (a seed in a generator, top_k in
+an int64 tensor): a value that passes here can never fail a step shared with other requests.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# Below this a temperature is greedy (as in vLLM): dividing fp32 logits by it would overflow.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class ParamError(ValueError):
+    """A sampling parameter is out of range; `param` names it (the server's 400 carries it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0          # 0 means greedy
+    temperature: float = 1.0          # 0 (below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0                    # 0 or -1 disables
     top_p: float = 1.0
     min_p: float = 0.0
@@ -23,28 +40,38 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               f"temperature must be >= 0, got {self.temperature!r}")
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+        _check("temperature", _is_number(self.temperature) and 0 <= self.temperature < math.inf,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+        _check("top_k", _is_int(self.top_k) and 0 <= self.top_k <= INT64_MAX,
                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
+        _check("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
-               and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check("seed", self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+               f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        _check("stop", all(isinstance(s, str) and s for s in self.stop),
+               "stop strings must be non-empty strings")
+        _check("stop_token_ids", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
-def _check(ok: bool, message: str) -> None:
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _check(param: str, ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ParamError(param, message)

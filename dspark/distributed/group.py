@@ -59,6 +59,7 @@ class DPEngine:
     config = property(lambda self: self.local.config)
     drafter = property(lambda self: self.local.drafter)
     model_config = property(lambda self: self.local.model_config)
+    check_request = property(lambda self: self.local.check_request)
 
     @property
     def requests(self) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -12,6 +13,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.engine.block_manager import BlockManager
+from dspark.engine.isolation import FailureIsolation
 from dspark.engine.output_processor import OutputProcessor
 from dspark.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dspark.engine.sequence import Sequence
@@ -20,7 +22,7 @@ from dspark.models.fused_stack import fuse_draft_blocks, fuse_small_steps
 from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.outputs import RequestOutput, SpecStats
-from dspark.sampling_params import SamplingParams
+from dspark.sampling_params import ParamError, SamplingParams
 from dspark.worker.inputs import RequestChunk
 from dspark.worker.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
 from dspark.worker.kv_cache import bytes_per_block, num_blocks_for_budget
@@ -98,6 +100,7 @@ class Engine:
         self.eos_token_ids = sorted(eos)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
+        self.isolation = FailureIsolation()
         self._ids = itertools.count()
 
     def _graphs(self, model):
@@ -172,8 +175,11 @@ class Engine:
         text, ids = self._encode(prompt)
         if len(ids) == 0:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.top_k > vocab:
+            raise ParamError("top_k", f"top_k must be at most the vocabulary size ({vocab}), got {params.top_k}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the context allows "
                              f"(max_model_len={self.max_model_len}, at least one token to generate)")
@@ -220,12 +226,44 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        prepared = self.prepare_step()
-        return [] if prepared is None else self.run_step(prepared)
+        """One step; an error in it fails only the request that causes it (isolation.py)."""
+        suspect = self.isolation.next_suspect(self.requests)
+        prepared = self.prepare_step(only=suspect)
+        if prepared is None:
+            return []
+        seqs = [s.seq for s in prepared.sched.scheduled]
+        saved = self.isolation.snapshot(seqs)
+        try:
+            result = self._execute(prepared)
+        except EngineStopped:
+            raise
+        except Exception as exc:                  # noqa: BLE001 (traced to a request below)
+            self.isolation.restore(saved)
+            if suspect is not None:
+                self.isolation.done_with(suspect, failed=True)
+                return [self._fail_request(suspect, exc)]
+            if self.isolation.begin([seq.request_id for seq in seqs], exc):
+                return []
+            logger.error("a step failed; failing its %d request(s)", len(seqs), exc_info=exc)
+            return [self._fail_request(seq, exc) for seq in seqs]
+        if suspect is not None:
+            self.isolation.done_with(suspect, failed=False)
+        else:
+            self.isolation.step_succeeded()
+        return self._commit(prepared.sched, result)
 
-    def prepare_step(self) -> PreparedStep | None:
-        """Schedule and plan the next step without running it (None: nothing to run). Data
-        parallel ranks agree on the shapes of their prepared steps before running them."""
+    def _fail_request(self, seq: Sequence, error: BaseException) -> RequestOutput:
+        """End one request with finish_reason "error"; its KV blocks are freed at once."""
+        message = f"the engine failed while running this request: {type(error).__name__}: {error}"
+        logger.error("request %s failed: %s", seq.request_id, message)
+        self.isolation.failed_requests += 1
+        self._finish(seq, "error")
+        return dataclasses.replace(self.output_processor.output(seq), error=message)
+
+    def prepare_step(self, only: Sequence | None = None) -> PreparedStep | None:
+        """Schedule and plan the next step without running it (None: nothing to run); `only`:
+        that running request alone. Data parallel ranks agree on the shapes of their prepared
+        steps before running them."""
         plans = []
 
         def plan_running(running: list[ScheduledRequest], joining_tokens: int) -> None:
@@ -234,7 +272,8 @@ class Engine:
                 self._leave_undrafted(running, plan.drafted)
             plans.append(plan)
 
-        sched = self.scheduler.schedule(plan_running if self.confidence_scheduler is not None else None)
+        sched = self.scheduler.schedule(plan_running if self.confidence_scheduler is not None else None,
+                                        only=only)
         if sched.is_empty:
             return None
         plan = plans[0] if plans else None
@@ -244,13 +283,16 @@ class Engine:
 
     def run_step(self, prepared: PreparedStep, key: StepKey | None = None) -> list[RequestOutput]:
         """Run a prepared step (at the group's agreed key under data parallelism) and commit it."""
+        return self._commit(prepared.sched, self._execute(prepared, key))
+
+    def _execute(self, prepared: PreparedStep, key: StepKey | None = None) -> StepResult:
         began = time.perf_counter()
         result = self.worker.execute(prepared.batch, key)       # ends in the step's one host copy
         if self.confidence_scheduler is not None:
             _, tokens, draft_requests, _ = self.worker.step_shape(prepared.batch)
             taken = (time.perf_counter() - began) * 1e3 - self.worker.flush_ms
             self.confidence_scheduler.observe_step(tokens, draft_requests, taken)
-        return self._commit(prepared.sched, result)
+        return result
 
     def _leave_undrafted(self, scheduled: list[ScheduledRequest], drafted: list[bool]) -> None:
         """Speculative requests the planner left out of the drafter pass decode one plain token;
@@ -286,29 +328,35 @@ class Engine:
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs, now, k, j = [], time.perf_counter(), 0, 0
         for s in sched.scheduled:
-            seq = s.seq
             if not s.sample:
-                seq.num_computed_tokens += s.num_new_tokens
+                s.seq.num_computed_tokens += s.num_new_tokens
                 continue
-            tokens = result.tokens[k]
-            if s.spec:
-                self._count_spec(seq, result.verify_lens[k], result.num_accepted[k])
-                if result.confidence_logits is not None:
-                    self._record_confidence(seq, result.confidence_logits[j], result.verify_lens[k],
-                                            result.num_accepted[k])
-                j += 1
-                seq.num_computed_tokens += len(tokens)          # anchor + accepted drafts
-                self.block_manager.truncate(seq.block_table, seq.num_computed_tokens + 1)
-            else:
-                seq.num_computed_tokens += s.num_new_tokens
-            k += 1
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            reason = self.output_processor.append(seq, tokens)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(self._output(seq))
+            try:
+                outputs.append(self._commit_sampled(s, result, k, j, now))
+            except Exception as exc:           # noqa: BLE001 (this request's alone, e.g. decoding)
+                outputs.append(self._fail_request(s.seq, exc))
+            k, j = k + 1, j + s.spec
         return outputs
+
+    def _commit_sampled(self, s: ScheduledRequest, result: StepResult, k: int, j: int,
+                        now: float) -> RequestOutput:
+        """Row k of the step's results (j: its index among the drafting rows) into its request."""
+        seq, tokens = s.seq, result.tokens[k]
+        if s.spec:
+            self._count_spec(seq, result.verify_lens[k], result.num_accepted[k])
+            if result.confidence_logits is not None:
+                self._record_confidence(seq, result.confidence_logits[j], result.verify_lens[k],
+                                        result.num_accepted[k])
+            seq.num_computed_tokens += len(tokens)          # anchor + accepted drafts
+            self.block_manager.truncate(seq.block_table, seq.num_computed_tokens + 1)
+        else:
+            seq.num_computed_tokens += s.num_new_tokens
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        reason = self.output_processor.append(seq, tokens)
+        if reason is not None:
+            self._finish(seq, reason)
+        return self.output_processor.output(seq)
 
     def _record_confidence(self, seq: Sequence, z: list[float], verified: int, accepted: int) -> None:
         """For the budget planner (every round) and calibration (rounds that verified the whole
@@ -334,27 +382,3 @@ class Engine:
         self.scheduler.finish(seq, reason)
         self.output_processor.release(seq)
         self.requests.pop(seq.request_id, None)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        visible = len(seq.output_text)
-        if not seq.is_finished:      # hold back a tail that may still become a stop string
-            visible -= _stop_prefix_len(seq.output_text, seq.params.stop)
-        new_text = seq.output_text[seq.sent_text_len:visible]
-        new_ids = seq.output_token_ids[seq.sent_token_len:]
-        seq.sent_text_len, seq.sent_token_len = max(visible, seq.sent_text_len), seq.num_output_tokens
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            text=seq.output_text, token_ids=list(seq.output_token_ids), finished=seq.is_finished,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, metrics=seq.metrics,
-            spec=seq.spec, new_text=new_text, new_token_ids=new_ids)
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest

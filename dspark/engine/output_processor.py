@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dspark.engine.sequence import Sequence
+from dspark.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from dspark.tokenizer import Tokenizer
@@ -33,6 +34,22 @@ class OutputProcessor:
             if reason is not None:
                 return reason
         return None
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The request as it stands, with the text and tokens added since the last output. A
+        running request's text holds back a tail that may still become a stop string, so what
+        was streamed is never taken back."""
+        visible = len(seq.output_text)
+        if not seq.is_finished:
+            visible -= _stop_prefix_len(seq.output_text, seq.params.stop)
+        new_text = seq.output_text[seq.sent_text_len:visible]
+        new_ids = seq.output_token_ids[seq.sent_token_len:]
+        seq.sent_text_len, seq.sent_token_len = max(visible, seq.sent_text_len), seq.num_output_tokens
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            text=seq.output_text, token_ids=list(seq.output_token_ids), finished=seq.is_finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, metrics=seq.metrics,
+            spec=seq.spec, new_text=new_text, new_token_ids=new_ids)
 
     def release(self, seq: Sequence) -> None:
         self._offsets.pop(seq.request_id, None)
@@ -69,3 +86,14 @@ class OutputProcessor:
                 seq.stop_reason = stop
                 return "stop"
         return None
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest

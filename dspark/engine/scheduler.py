@@ -63,17 +63,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, plan_running: Callable[[list[ScheduledRequest], int], None] | None = None
-                 ) -> SchedulerOutput:
+    def schedule(self, plan_running: Callable[[list[ScheduledRequest], int], None] | None = None,
+                 only: Sequence | None = None) -> SchedulerOutput:
         """Running requests first (decode, speculative blocks, prefill chunks), then waiting ones
         with the token budget left. `plan_running` sees the running requests' items before any
         waiting request is admitted and may shrink them (a speculative block the verify planner
         leaves undrafted becomes one plain token), so the tokens it gives back go to prefill. It
         also gets the prompt tokens the waiting requests would add were nothing drafted: the
-        step the planner prices drafts on."""
+        step the planner prices drafts on. `only`: that running request alone, nothing admitted
+        (the engine runs the requests of a failed step one at a time)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        for seq in list(self.running):
+        for seq in list(self.running) if only is None else [only]:
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
@@ -87,7 +88,8 @@ class Scheduler:
             plain = sum(1 if s.spec else s.num_new_tokens for s in out.scheduled)
             plan_running(out.scheduled, self._joining_tokens(self.config.max_num_batched_tokens - plain))
             budget = self.config.max_num_batched_tokens - out.num_tokens
-        self._admit_waiting(out, budget)
+        if only is None:
+            self._admit_waiting(out, budget)
         return out
 
     def _joining_tokens(self, budget: int) -> int:

@@ -26,17 +26,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dspark.config import EngineConfig
 from dspark.engine.engine import Engine
-from dspark.sampling_params import SamplingParams
+from dspark.sampling_params import ParamError, SamplingParams
 from dspark.server.async_engine import (AsyncEngine, EngineNotRunning, QueueFull, RequestFailed,
                                          RequestStream)
 from dspark.server.errors import APIError, install_error_handlers
+from dspark.server.limits import BodyLimit, ServerLimits
 from dspark.server.metrics import RequestCounter, ServerMetrics
 from dspark.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                     CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
                                     ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
-from dspark.server.serving import (ChunkBuilder, chat_prompt, check_chat, check_completion, collect,
-                                   completion_prompts, sampling_params, spec_info, stream_sse, usage)
+from dspark.server.serving import (ChunkBuilder, chat_prompt, check_chat, check_completion, checked_prompt,
+                                   collect, completion_prompts, sampling_params, spec_info, stream_sse,
+                                   usage)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,11 +96,19 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 class ServerState:
     """What the routes share: the engine front, the served name and the metrics."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics):
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics,
+                 limits: ServerLimits):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.served_model_name = served_model_name
         self.metrics = metrics
+        self.limits = limits
+
+    def checked_prompts(self, prompts: list[str | list[int]], params: SamplingParams,
+                        param: str) -> list[list[int]]:
+        """Token ids of prompts the engine accepts (a 400 naming the problem otherwise); called
+        in a worker thread, so tokenizing a long prompt never blocks the event loop."""
+        return [checked_prompt(self.engine.check_request, p, params, param) for p in prompts]
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -129,6 +139,8 @@ class ServerState:
 def _as_api_error(exc: BaseException, prompt_param: str) -> BaseException:
     if isinstance(exc, QueueFull):
         return APIError(429, str(exc), code="queue_full")
+    if isinstance(exc, ParamError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, (ValueError, TypeError)):
         return APIError(400, str(exc), param=prompt_param, code="invalid_prompt")
     if isinstance(exc, RequestFailed):
@@ -158,16 +170,20 @@ def default_served_name(model: str | None) -> str:
 
 def build_app(engine: Engine | EngineConfig, served_model_name: str | None = None,
               max_queue: int | None = 256,
-              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_fatal: Callable[[BaseException], None] | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     """The app owns an engine thread from startup to shutdown (FastAPI lifespan). A config with
     data_parallel_size > 1 starts a group whose rank 0 runs here. `on_fatal` is called when
     the engine can no longer serve (a data-parallel rank failed): the launcher exits non-zero."""
     if isinstance(engine, EngineConfig):
         engine = start_engine(engine)
+    limits = limits or ServerLimits()
     gamma = engine.drafter.config.block_size if engine.drafter is not None else 0
     metrics = ServerMetrics(gamma)
-    state = ServerState(AsyncEngine(engine, max_queue, observers=[metrics], on_fatal=on_fatal),
-                        served_model_name or default_served_name(engine.config.model), metrics)
+    async_engine = AsyncEngine(engine, max_queue, observers=[metrics], on_fatal=on_fatal,
+                               max_pending_outputs=limits.max_pending_outputs)
+    state = ServerState(async_engine, served_model_name or default_served_name(engine.config.model),
+                        metrics, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -184,6 +200,7 @@ def build_app(engine: Engine | EngineConfig, served_model_name: str | None = Non
     app.state.server = state
     install_error_handlers(app)
     app.add_exception_handler(ClientGone, _client_gone)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)
     app.add_middleware(RequestCounter, metrics=metrics)
     _add_routes(app, state, gamma)
     return app
@@ -218,16 +235,17 @@ def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
-        check_completion(body)
+        check_completion(body, state.limits)
         max_tokens = body.max_tokens if body.max_tokens is not None else state.engine.max_model_len
         params = sampling_params(body, max_tokens, "max_tokens")
-        prompts = completion_prompts(body)
+        prompts = completion_prompts(body, state.limits)
+        ids = await asyncio.to_thread(state.checked_prompts, prompts, params, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await state.submit(prompts, params, request_id, "prompt")
+        streams = await state.submit(ids, params, request_id, "prompt")
         if body.stream:
             builder = _completion_chunks(request_id, state.served_model_name)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return SSEResponse(stream_sse(streams, params.stop, builder, include_usage))
+            return SSEResponse(stream_sse(streams, builder, include_usage))
         finals = await _collect(request, streams)
         choices = [CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason,
                                     stop_reason=o.stop_reason) for i, o in enumerate(finals)]
@@ -237,18 +255,19 @@ def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
-        check_chat(body)
+        check_chat(body, state.limits)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = sampling_params(body, max_tokens if max_tokens is not None else state.engine.max_model_len,
                                  param)
-        prompt = chat_prompt(body, state.engine.tokenizer)
+        prompt = await asyncio.to_thread(chat_prompt, body, state.engine.tokenizer)
+        ids = await asyncio.to_thread(state.checked_prompts, [prompt], params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await state.submit([prompt], params, request_id, "messages")
+        streams = await state.submit(ids, params, request_id, "messages")
         if body.stream:
             builder = _chat_chunks(request_id, state.served_model_name)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return SSEResponse(stream_sse(streams, params.stop, builder, include_usage))
+            return SSEResponse(stream_sse(streams, builder, include_usage))
         final = (await _collect(request, streams))[0]
         choice = ChatChoice(index=0, message=AssistantMessage(content=final.text),
                             finish_reason=final.finish_reason, stop_reason=final.stop_reason)
@@ -271,7 +290,7 @@ async def _client_gone(request: Request, exc: ClientGone) -> Response:
 def _completion_chunks(request_id: str, model: str) -> ChunkBuilder:
     created = int(time.time())
 
-    def make(index: int, text: str, final) -> CompletionChunk:
+    def make(index: int, text: str, final, first: bool) -> CompletionChunk:
         choice = CompletionChoice(index=index, text=text, finish_reason=final and final.finish_reason,
                                   stop_reason=final and final.stop_reason)
         return CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
@@ -287,13 +306,8 @@ def _completion_chunks(request_id: str, model: str) -> ChunkBuilder:
 def _chat_chunks(request_id: str, model: str) -> ChunkBuilder:
     created = int(time.time())
 
-    def first(index: int) -> ChatCompletionChunk:
-        delta = DeltaMessage(role="assistant", content="")
-        return ChatCompletionChunk(id=request_id, created=created, model=model,
-                                   choices=[ChatChunkChoice(index=index, delta=delta)])
-
-    def make(index: int, text: str, final) -> ChatCompletionChunk:
-        delta = DeltaMessage(content=text) if text else DeltaMessage()
+    def make(index: int, text: str, final, first: bool) -> ChatCompletionChunk:
+        delta = DeltaMessage(role="assistant" if first else None, content=text if text or first else None)
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=final and final.finish_reason)
         return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                    dspark=spec_info([final.spec]) if final else None)
@@ -302,4 +316,4 @@ def _chat_chunks(request_id: str, model: str) -> ChunkBuilder:
         return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                    usage=usage(finals), dspark=spec_info([o.spec for o in finals]))
 
-    return ChunkBuilder(make, make_usage, first)
+    return ChunkBuilder(make, make_usage, announce=True)

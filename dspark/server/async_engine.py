@@ -68,6 +68,8 @@ class EngineObserver(Protocol):
 
     def on_abort(self, request_id: str) -> None: ...
 
+    def on_slow_reader(self, request_id: str) -> None: ...
+
 
 @dataclass
 class _Add:
@@ -85,8 +87,10 @@ class _Abort:
 class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int | None = 256,
                  observers: Sequence[EngineObserver] = (),
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 max_pending_outputs: int | None = None):
         self.engine = engine
+        self.max_pending_outputs = max_pending_outputs   # a streaming reader's allowance (request_stream.py)
         self.on_fatal = on_fatal             # the server's exit, when the engine cannot go on
         self.fatal: BaseException | None = None
         self._step_started: float | None = None
@@ -149,7 +153,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineNotRunning("the engine is not running")
         request_id = request_id or uuid.uuid4().hex
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, self.max_pending_outputs)
         with self._cond:
             if self.max_queue is not None and self._waiting_locked() >= self.max_queue:
                 raise QueueFull(f"{self._waiting_locked()} requests are already waiting "
@@ -187,6 +191,11 @@ class AsyncEngine:
         with self._cond:
             self._inbox.append(_Abort(request_id))
             self._cond.notify()
+
+    def reader_too_slow(self, request_id: str) -> None:
+        """A reader fell too far behind (request_stream.py); its abort follows at once."""
+        logger.warning("request %s: the client stopped reading its stream; aborting it", request_id)
+        self._notify(lambda obs: obs.on_slow_reader(request_id))
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException | None]]) -> None:
         """On the loop: hand engine results to their streams (acceptances carry None)."""
@@ -273,7 +282,7 @@ class AsyncEngine:
         finally:
             self._step_started = None
         report = StepReport(time.perf_counter() - start, outputs, _spec_delta(before, self.engine.spec_stats))
-        self._send([(out.request_id, out) for out in outputs])
+        self._send([(out.request_id, RequestFailed(out.error) if out.error else out) for out in outputs])
         self._notify(lambda obs: obs.on_step(report))
 
     def _die(self, exc: BaseException) -> None:

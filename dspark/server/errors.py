@@ -20,7 +20,7 @@ from dspark.server.protocol import FIELD_HINTS, ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):

@@ -43,6 +43,8 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.aborted = Counter("dspark_requests_aborted", "Requests aborted before finishing "
                                "(client gone)", registry=r)
+        self.slow_readers = Counter("dspark_slow_reader_aborts", "Streaming requests aborted because "
+                                    "the client stopped reading", registry=r)
         self.prompt_tokens = Counter("dspark_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
         self.generation_tokens = Counter("dspark_generation_tokens", "Tokens generated", registry=r)
@@ -101,6 +103,9 @@ class ServerMetrics:
 
     def on_abort(self, request_id: str) -> None:
         self.aborted.inc()
+
+    def on_slow_reader(self, request_id: str) -> None:
+        self.slow_readers.inc()
 
     def on_state(self, state: EngineState) -> None:
         self.waiting.set(state.waiting)

@@ -1,10 +1,10 @@
 """OpenAI-shaped request and response bodies (pydantic, the HTTP boundary only).
 
 Numbers and token ids are strict (no bools, no numeric strings) so a wrong type is reported as
-such instead of being silently coerced.  Unknown fields are ignored, as clients send many
-optional OpenAI parameters that do not change what a local model does; parameters that *would*
-change the answer and are not supported (n > 1, logprobs, echo, penalties, ...) are rejected in
-`serving.py` with a 400 that names them.
+such instead of being silently coerced; `null` is accepted wherever the OpenAI API accepts it and
+means the default. Fields that would change the answer but are not implemented are declared here
+(so the schema shows them) and refused in `unsupported.py` unless set to their neutral value;
+undeclared fields are kept (`model_extra`) only to be logged once.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ FIELD_HINTS = {
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Request):
@@ -46,23 +46,42 @@ class SamplingFields(_Request):
     seed: StrictInt | None = None
     stop: Stop = None
     stop_token_ids: TokenIds | None = None
-    ignore_eos: StrictBool = False
-    skip_special_tokens: StrictBool = True
-    n: StrictInt = 1
-    stream: StrictBool = False
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # not implemented: refused unless neutral (unsupported.py)
+    n: StrictInt | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    length_penalty: Number | None = None
+    use_beam_search: StrictBool | None = None
     logit_bias: dict[str, Any] | None = None
+    min_tokens: StrictInt | None = None
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: TokenIds | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     max_tokens: StrictInt | None = 16
-    echo: StrictBool = False
+    echo: StrictBool | None = None
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+    add_special_tokens: StrictBool | None = None
 
 
 class TextPart(_Request):
@@ -74,6 +93,8 @@ class ChatMessage(_Request):
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[Any] | None = None              # refused (unsupported.py)
+    tool_call_id: StrictStr | None = None            # refused
 
     def as_template_input(self) -> dict[str, Any]:
         """Chat templates expect plain string content; text parts are joined in order."""
@@ -90,11 +111,24 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
+    add_generation_prompt: StrictBool | None = None
+    parallel_tool_calls: StrictBool | None = None    # no effect without tools
+    # not implemented: refused unless neutral (unsupported.py)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-    add_generation_prompt: StrictBool = True
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: StrictStr | dict[str, Any] | None = None
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: StrictBool | None = None
+    documents: list[Any] | None = None
+    add_special_tokens: StrictBool | None = None
+    modalities: list[StrictStr] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_effort: StrictStr | None = None
 
 
 class TokenizeRequest(_Request):

@@ -8,65 +8,49 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from dspark.outputs import RequestOutput, SpecStats
-from dspark.sampling_params import SamplingParams
+from dspark.sampling_params import ParamError, SamplingParams
 from dspark.server.async_engine import EngineNotRunning, RequestFailed, RequestStream
 from dspark.server.errors import APIError
+from dspark.server.limits import ServerLimits
+from dspark.server.request_stream import ReaderTooSlow
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields,
                                     SpecStatsInfo, Usage)
+from dspark.server.unsupported import CHAT, COMPLETION, MESSAGE, SHARED, log_unknown, refuse_unsupported
 from dspark.tokenizer import Tokenizer
-
-_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids", "stop")
 
 
 # ---- requests ---------------------------------------------------------------------------------
 
-def _reject(param: str, what: str) -> None:
-    raise APIError(400, f"'{param}' is not supported by this server: {what}", param=param,
-                   code="unsupported_parameter")
-
-
-def _check_shared(req: SamplingFields) -> None:
-    if req.n != 1:
-        _reject("n", "only n=1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            _reject(name, "penalties are not implemented")
-    if req.logit_bias:
-        _reject("logit_bias", "logit biases are not implemented")
+def _check_common(req: SamplingFields, table: dict, where: str, limits: ServerLimits) -> None:
+    refuse_unsupported(req, SHARED)
+    refuse_unsupported(req, table)
+    log_unknown(req, where)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true",
                        param="stream_options")
+    limits.check_stop(_stops(req), list(req.stop_token_ids or []))
 
 
-def check_completion(req: CompletionRequest) -> None:
-    _check_shared(req)
-    if req.echo:
-        _reject("echo", "echoing the prompt is not implemented")
-    if req.logprobs is not None:
-        _reject("logprobs", "log probabilities are not implemented")
-    if req.best_of not in (None, 1):
-        _reject("best_of", "only best_of=1 is supported")
-    if req.suffix:
-        _reject("suffix", "insertion (suffix) is not implemented")
+def check_completion(req: CompletionRequest, limits: ServerLimits) -> None:
+    _check_common(req, COMPLETION, "/v1/completions", limits)
 
 
-def check_chat(req: ChatCompletionRequest) -> None:
-    _check_shared(req)
-    if req.logprobs or req.top_logprobs:
-        _reject("logprobs", "log probabilities are not implemented")
-    if req.tools:
-        _reject("tools", "tool calling is not implemented")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        _reject("response_format", "only plain text responses are implemented")
+def check_chat(req: ChatCompletionRequest, limits: ServerLimits) -> None:
+    _check_common(req, CHAT, "/v1/chat/completions", limits)
+    for i, message in enumerate(req.messages):
+        refuse_unsupported(message, MESSAGE, prefix=f"messages.{i}.")
+        log_unknown(message, "a chat message")
+
+
+def _stops(req: SamplingFields) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_param: str) -> SamplingParams:
-    """Unset OpenAI fields keep SamplingParams' defaults; a bad value is a 400 naming the field."""
-    kwargs: dict = dict(seed=req.seed, ignore_eos=req.ignore_eos,
-                        skip_special_tokens=req.skip_special_tokens,
-                        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-                        stop_token_ids=list(req.stop_token_ids or []))
-    for name in ("temperature", "top_p", "top_k", "min_p"):
+    """Unset (or null) OpenAI fields keep SamplingParams' defaults; a bad value is a 400 naming
+    the field."""
+    kwargs: dict = dict(seed=req.seed, stop=_stops(req), stop_token_ids=list(req.stop_token_ids or []))
+    for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "skip_special_tokens"):
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
@@ -74,16 +58,15 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
         kwargs["max_tokens"] = max_tokens
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:
-        message = str(exc)
-        param = next((f for f in _PARAM_FIELDS if message.startswith(f)), None)
+    except ParamError as exc:
+        message, param = str(exc), exc.param
         if param == "max_tokens":
             param = max_tokens_param
             message = message.replace("max_tokens", max_tokens_param, 1)
         raise APIError(400, message, param=param, code="invalid_value") from exc
 
 
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+def completion_prompts(req: CompletionRequest, limits: ServerLimits) -> list[str | list[int]]:
     """A string, token ids, or a batch of either: one engine request (and choice) per prompt."""
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -94,19 +77,35 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
         prompts = list(prompt)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+    limits.check_prompts(len(prompts))
     return prompts
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer | None) -> list[int]:
+    """The chat-templated prompt's token ids (run off the event loop: templating and tokenizing
+    a long conversation takes milliseconds)."""
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions "
                        "with token ids", param="messages")
     messages = [m.as_template_input() for m in req.messages]
+    add_generation_prompt = req.add_generation_prompt is not False
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="chat_template_error") from exc
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def checked_prompt(check: Callable, prompt: str | list[int], params: SamplingParams,
+                   param: str) -> list[int]:
+    """The prompt's token ids as the engine would take them (`Engine.check_request`), or a 400
+    naming what is wrong: tokenized here, off the engine thread and before admission."""
+    try:
+        return check(prompt, params)[1]
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_prompt") from exc
 
 
 # ---- outputs ----------------------------------------------------------------------------------
@@ -125,36 +124,6 @@ def usage(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(o.token_ids) for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-class StopHoldback:
-    """Streams text that no later stop-string match can take back.
-
-    The engine truncates a request's text where a stop string starts, and that start may lie in
-    text an earlier step already produced.  Holding back the longest tail that could still begin
-    a stop string makes the streamed text equal the final text.
-    """
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.sent = 0
-
-    def delta(self, output: RequestOutput) -> str:
-        text = output.text
-        end = len(text) if output.finished else self._safe_end(text)
-        if end <= self.sent:
-            return ""
-        chunk, self.sent = text[self.sent:end], end
-        return chunk
-
-    def _safe_end(self, text: str) -> int:
-        end = len(text)
-        for stop in self.stops:
-            for size in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:size]):
-                    end = min(end, len(text) - size)
-                    break
-        return end
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -209,10 +178,12 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
 
 @dataclass
 class ChunkBuilder:
-    """Builds one SSE payload (a pydantic chunk) per choice update; set by each endpoint."""
-    make: Callable[[int, str, RequestOutput | None], object]
+    """Builds one SSE payload (a pydantic chunk) per choice update; set by each endpoint.
+    `make(index, text, final output or None, first)`; `announce`: a choice's first output is sent
+    even without text (chat: the role arrives with the first token, not before prefill)."""
+    make: Callable[[int, str, RequestOutput | None, bool], object]
     make_usage: Callable[[list[RequestOutput]], object]
-    first: Callable[[int], object] | None = None     # the chat "role" chunk
+    announce: bool = False
 
 
 def sse(payload: object) -> str:
@@ -224,26 +195,27 @@ def sse_error(message: str, status: int = 500, code: str = "engine_error") -> st
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def stream_sse(streams: list[RequestStream], stops: list[str], builder: ChunkBuilder,
+async def stream_sse(streams: list[RequestStream], builder: ChunkBuilder,
                      include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: deltas per choice, an optional usage chunk, then `data: [DONE]`."""
-    holdbacks = [StopHoldback(stops) for _ in streams]
+    """The SSE body: deltas per choice, an optional usage chunk, then `data: [DONE]`. The engine
+    holds back text that may still become a stop string, so each delta is final."""
     finals: dict[int, RequestOutput] = {}
-    if builder.first is not None:
-        for index in range(len(streams)):
-            yield sse(builder.first(index))
+    started: set[int] = set()
     try:
         async for index, output in merge_streams(streams):
-            text = holdbacks[index].delta(output)
+            first = index not in started
+            if output.finished or output.new_text or (first and builder.announce):
+                started.add(index)
+                final = output if output.finished else None
+                yield sse(builder.make(index, output.new_text, final, first))
             if output.finished:
                 finals[index] = output
-                yield sse(builder.make(index, text, output))
-            elif text:
-                yield sse(builder.make(index, text, None))
         if include_usage:
             yield sse(builder.make_usage([finals[i] for i in sorted(finals)]))
     except RequestFailed as exc:
         yield sse_error(str(exc))
+    except ReaderTooSlow as exc:              # only seen by a reader that came back
+        yield sse_error(str(exc), exc.status, exc.code)
     except EngineNotRunning as exc:
         yield sse_error(str(exc), 503, "engine_unavailable")
     yield "data: [DONE]\n\n"

@@ -36,7 +36,8 @@ class SamplingTensors:
         use_min_p = any(p.min_p > 0 and not p.greedy for p in params)
         return cls(
             temperature=t([1.0 if p.greedy else p.temperature for p in params], torch.float32),
-            top_k=t([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.long) if use_k else None,
+            top_k=t([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.long)
+            if use_k else None,
             top_p=t([p.top_p for p in params], torch.float32) if use_p else None,
             min_p=t([p.min_p for p in params], torch.float32) if use_min_p else None,
             greedy=t(greedy, torch.bool), all_greedy=all(greedy), generators=generators,

@@ -106,7 +106,7 @@ def test_abort_frees_blocks(model_dir):
 
 
 def test_streamed_text_never_retracts_a_stop_string():
-    from dspark.engine.engine import _stop_prefix_len
+    from dspark.engine.output_processor import _stop_prefix_len
     assert _stop_prefix_len("hello wor", ["world"]) == 3
     assert _stop_prefix_len("hello", ["xyz", "lo!"]) == 2
     assert _stop_prefix_len("hello", []) == 0

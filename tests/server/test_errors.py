@@ -19,7 +19,7 @@ LONG = " ".join(["w1"] * 200)           # over max_model_len=128
 
 COMPLETION_CASES = [
     # (request overrides, status, param, message fragment)
-    (dict(temperature=-1.0), 400, "temperature", "temperature must be >= 0"),
+    (dict(temperature=-1.0), 400, "temperature", "temperature must be a finite number >= 0"),
     (dict(temperature="hot"), 400, "temperature", "valid number"),
     (dict(top_p=0.0), 400, "top_p", "top_p must be in (0, 1]"),
     (dict(extra_body={"top_k": -5}), 400, "top_k", "top_k must be"),

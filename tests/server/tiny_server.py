@@ -18,6 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from dspark.llm import build_config
 from dspark.server import ServerThread, build_app
 from dspark.server.api_server import ServerState
+from dspark.server.limits import ServerLimits
 from tiny import save_random_drafter, save_tiny
 
 VOCAB = 128
@@ -99,9 +100,9 @@ class Served:
 
 @contextmanager
 def serve(model: str, drafter: str | None = None, max_queue: int | None = 256,
-          **engine_overrides) -> Iterator[Served]:
+          limits: ServerLimits | None = None, **engine_overrides) -> Iterator[Served]:
     config = build_config(model=model, drafter=drafter, **engine_kwargs(**engine_overrides))
-    app = build_app(config, served_model_name="tiny", max_queue=max_queue)
+    app = build_app(config, served_model_name="tiny", max_queue=max_queue, limits=limits)
     with ServerThread(app) as thread:
         yield Served(thread, app.state.server)
 
