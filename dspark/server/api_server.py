@@ -30,7 +30,8 @@ from dspark.sampling_params import ParamError, SamplingParams
 from dspark.server.async_engine import (AsyncEngine, EngineNotRunning, QueueFull, RequestFailed,
                                          RequestStream)
 from dspark.server.errors import APIError, install_error_handlers
-from dspark.server.limits import BodyLimit, ServerLimits
+from dspark.server.body_limit import BodyLimit
+from dspark.server.limits import ServerLimits
 from dspark.server.metrics import RequestCounter, ServerMetrics
 from dspark.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,

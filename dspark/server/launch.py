@@ -8,6 +8,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from dspark.server.limits import ServerLimits
+
 if TYPE_CHECKING:                       # keep `dspark --help` free of the server dependencies
     from fastapi import FastAPI
 
@@ -70,6 +72,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          help="model name clients send (default: the model file or folder name)")
     add_missing_argument(parser, "--max-queue", type=int, default=256,
                          help="waiting requests beyond this are refused with HTTP 429")
+    limits = ServerLimits()
+    add_missing_argument(parser, "--max-request-bytes", type=int, default=limits.max_request_bytes,
+                         help="larger request bodies are refused with HTTP 413")
+    add_missing_argument(parser, "--max-prompts", type=int, default=limits.max_prompts,
+                         help="prompts in one /v1/completions request")
+    add_missing_argument(parser, "--max-stop", type=int, default=limits.max_stop,
+                         help="stop strings, and stop token ids, in one request")
+    add_missing_argument(parser, "--max-stop-chars", type=int, default=limits.max_stop_chars,
+                         help="characters in one stop string")
+    add_missing_argument(parser, "--max-pending-outputs", type=int, default=limits.max_pending_outputs,
+                         help="engine outputs a streaming client may leave unread before it is "
+                              "cut off and its request aborted")
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
+                        max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+                        max_pending_outputs=args.max_pending_outputs)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
@@ -112,7 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
     holder: dict = {}
     engine = rank.start() if rank is not None else None
     app = build_app(engine if engine is not None else config, served_model_name=args.served_model_name,
-                    max_queue=args.max_queue, on_fatal=lambda exc: _exit_server(holder))
+                    max_queue=args.max_queue, on_fatal=lambda exc: _exit_server(holder),
+                    limits=limits_from_args(args))
     level = "info" if logging.getLogger().isEnabledFor(logging.INFO) else "warning"
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
                                            timeout_graceful_shutdown=5))

@@ -7,12 +7,15 @@ engine thread, and a batch of prompts takes that many places in the queue at onc
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from starlette.exceptions import HTTPException
 
-from dspark.server.errors import APIError
+class LimitExceeded(ValueError):
+    """A request asks for more than a limit allows (a 400 naming `param`)."""
+
+    def __init__(self, param: str, code: str, message: str):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -30,57 +33,17 @@ class ServerLimits:
 
     def check_stop(self, stop: list[str], stop_token_ids: list[int]) -> None:
         if len(stop) > self.max_stop:
-            raise APIError(400, f"'stop' has {len(stop)} strings, more than this server's limit of "
-                           f"{self.max_stop}", param="stop", code="too_many_stop_strings")
+            raise LimitExceeded("stop", "too_many_stop_strings", f"'stop' has {len(stop)} strings, "
+                                f"more than this server's limit of {self.max_stop}")
         longest = max((len(s) for s in stop), default=0)
         if longest > self.max_stop_chars:
-            raise APIError(400, f"a stop string has {longest} characters, more than this server's "
-                           f"limit of {self.max_stop_chars}", param="stop", code="stop_string_too_long")
+            raise LimitExceeded("stop", "stop_string_too_long", f"a stop string has {longest} "
+                                f"characters, more than this server's limit of {self.max_stop_chars}")
         if len(stop_token_ids) > self.max_stop:
-            raise APIError(400, f"'stop_token_ids' has {len(stop_token_ids)} ids, more than this "
-                           f"server's limit of {self.max_stop}", param="stop_token_ids",
-                           code="too_many_stop_token_ids")
+            raise LimitExceeded("stop_token_ids", "too_many_stop_token_ids", f"'stop_token_ids' has "
+                                f"{len(stop_token_ids)} ids, more than this server's limit of {self.max_stop}")
 
     def check_prompts(self, count: int) -> None:
         if count > self.max_prompts:
-            raise APIError(400, f"'prompt' holds {count} prompts, more than this server's limit of "
-                           f"{self.max_prompts} per request", param="prompt", code="too_many_prompts")
-
-
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
-
-
-class BodyLimit:
-    """Pure ASGI middleware: a body over the limit is refused with 413 before it is parsed,
-    by its Content-Length or, for a chunked body, as soon as the bytes read pass the limit."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send)
-            return
-        read = 0
-
-        async def counted() -> dict:
-            nonlocal read
-            message = await receive()
-            read += len(message.get("body", b""))
-            if read > self.max_bytes:
-                raise HTTPException(413, self._message())
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _message(self) -> str:
-        return f"the request body is larger than this server's limit of {self.max_bytes} bytes"
-
-    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
-        response = APIError(413, self._message(), code="request_too_large").response()
-        await response(scope, receive, send)
+            raise LimitExceeded("prompt", "too_many_prompts", f"'prompt' holds {count} prompts, more "
+                                f"than this server's limit of {self.max_prompts} per request")

@@ -11,7 +11,7 @@ from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import ParamError, SamplingParams
 from dspark.server.async_engine import EngineNotRunning, RequestFailed, RequestStream
 from dspark.server.errors import APIError
-from dspark.server.limits import ServerLimits
+from dspark.server.limits import LimitExceeded, ServerLimits
 from dspark.server.request_stream import ReaderTooSlow
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields,
                                     SpecStatsInfo, Usage)
@@ -28,7 +28,7 @@ def _check_common(req: SamplingFields, table: dict, where: str, limits: ServerLi
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true",
                        param="stream_options")
-    limits.check_stop(_stops(req), list(req.stop_token_ids or []))
+    _within(limits.check_stop, _stops(req), list(req.stop_token_ids or []))
 
 
 def check_completion(req: CompletionRequest, limits: ServerLimits) -> None:
@@ -40,6 +40,13 @@ def check_chat(req: ChatCompletionRequest, limits: ServerLimits) -> None:
     for i, message in enumerate(req.messages):
         refuse_unsupported(message, MESSAGE, prefix=f"messages.{i}.")
         log_unknown(message, "a chat message")
+
+
+def _within(check: Callable, *args) -> None:
+    try:
+        check(*args)
+    except LimitExceeded as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
 
 
 def _stops(req: SamplingFields) -> list[str]:
@@ -77,7 +84,7 @@ def completion_prompts(req: CompletionRequest, limits: ServerLimits) -> list[str
         prompts = list(prompt)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
-    limits.check_prompts(len(prompts))
+    _within(limits.check_prompts, len(prompts))
     return prompts
 
 
