@@ -230,7 +230,7 @@ def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
         state.check_model(body.model)
         if state.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="prompt")
-        ids = state.engine.tokenizer.encode(body.prompt)
+        ids = await asyncio.to_thread(state.engine.tokenizer.encode, body.prompt)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.engine.max_model_len)
 
     @app.post("/v1/completions")
