@@ -44,7 +44,7 @@ def diagnose(group: RankGroup, processes: dict, detail: str, settle_s: float = 1
         dead = {r: p.exitcode for r, p in processes.items() if p.exitcode is not None}
         if dead:
             rank = min(dead)
-            return GroupFailure(rank, f"died ({_exit_text(dead[rank])})")
+            return GroupFailure(rank, f"died ({exit_text(dead[rank])})")
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)
@@ -59,7 +59,8 @@ def diagnose(group: RankGroup, processes: dict, detail: str, settle_s: float = 1
     return GroupFailure(group.rank, f"lost its peers: {detail}")
 
 
-def _exit_text(code: int) -> str:
+def exit_text(code: int) -> str:
+    """How a process ended, as the failure report words it (a signal by name)."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from dspark.config import EngineConfig
 from dspark.distributed.comm import CollectiveError, GroupAddress, RankGroup, open_store
-from dspark.distributed.data_parallel import Abort, Add, DPRank, Stop
-from dspark.distributed.failure import DPGroupError, GroupFailure, diagnose
+from dspark.distributed.data_parallel import Abort, Add, DPRank, Iteration, Stop
+from dspark.distributed.failure import DPGroupError, GroupFailure, diagnose, exit_text
 from dspark.distributed.router import Router
 from dspark.engine.engine import Engine, EngineLoad
 from dspark.outputs import RequestOutput, SpecStats
@@ -96,13 +96,7 @@ class DPEngine:
     def step(self) -> list[RequestOutput]:
         self._check_running()
         commands, self.pending = self.pending, []
-        try:
-            it = self.dp_rank.iterate(commands)
-        except CollectiveError as exc:
-            self._fail(diagnose(self.group, self.processes, str(exc)))
-        except Exception as exc:                      # rank 0's own engine failed
-            logger.exception("rank 0 failed")
-            self._fail(GroupFailure(0, f"raised: {type(exc).__name__}: {exc}"))
+        it = self._iterate(commands)
         self.last_rows = it.rows
         self._load = EngineLoad(sum(r.waiting for r in it.rows), sum(r.running for r in it.rows),
                                 sum(r.free_blocks for r in it.rows), sum(r.num_blocks for r in it.rows))
@@ -119,6 +113,36 @@ class DPEngine:
             if out.finished:
                 self.router.release(out.request_id)
         return outputs
+
+    def _iterate(self, commands: list) -> Iteration | None:
+        """One lockstep iteration; any failure stops the group, naming the rank (DPGroupError)."""
+        try:
+            return self.dp_rank.iterate(commands)
+        except CollectiveError as exc:
+            self._fail(diagnose(self.group, self.processes, str(exc)))
+        except Exception as exc:                      # rank 0's own engine failed
+            logger.exception("rank 0 failed")
+            self._fail(GroupFailure(0, f"raised: {type(exc).__name__}: {exc}"))
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often an idle front end calls `heartbeat`: often enough that a rank lost while
+        nothing runs is noticed within the group timeout, as one lost mid-step would be."""
+        return min(5.0, self.group.timeout.total_seconds() / 4)
+
+    def heartbeat(self) -> None:
+        """Check the ranks while idle: without it a rank that dies between requests goes
+        unnoticed until the next request, which then fails. A spawned rank's exit code names a
+        death at once; one empty lockstep iteration finds a rank that is gone or stalled."""
+        if self.failure is None and self.dp_rank.stopped:
+            return                                    # closed: nothing left to watch
+        self._check_running()
+        for rank, process in sorted(self.processes.items()):
+            if process.exitcode is not None:
+                self._fail(GroupFailure(rank, f"died ({exit_text(process.exitcode)})"))
+        it = self._iterate([])
+        if it is not None:
+            self.last_rows = it.rows
 
     def _check_keys(self, it) -> None:
         """Invariant 7, checked every step: every rank ran the key rank 0 ran."""

@@ -212,6 +212,12 @@ class Engine:
     def close(self) -> None:
         """Nothing to release for one engine (a data-parallel group stops its ranks here)."""
 
+    # one engine has no peers to lose while idle: no heartbeat (a data-parallel group has one)
+    heartbeat_s: float | None = None
+
+    def heartbeat(self) -> None:
+        """Nothing to check for one engine (a data-parallel group checks its ranks here)."""
+
     # a step may legitimately take long (a long prefill on a CPU): no limit for one engine
     step_limit_s: float | None = None
 

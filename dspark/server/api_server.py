@@ -4,7 +4,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming or no
 POST /tokenize, GET /health, GET /metrics.  Every error answers with an OpenAI error body; see
 `errors.py` for the shape.  Status codes: 400 bad input (types, values, unsupported parameters,
 prompt over the context, chat template errors), 404 unknown model or route, 429 queue full,
-500 engine failure, 503 engine not running; a client that leaves gets its requests aborted.
+500 engine failure, 503 engine not running or the server shutting down (code
+"server_shutting_down"); a client that leaves gets its requests aborted.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dspark.config import EngineConfig
 from dspark.engine.engine import Engine
 from dspark.sampling_params import ParamError, SamplingParams
 from dspark.server.async_engine import (AsyncEngine, EngineNotRunning, QueueFull, RequestFailed,
-                                         RequestStream)
+                                         RequestStream, ServerShuttingDown)
 from dspark.server.errors import APIError, install_error_handlers
 from dspark.server.body_limit import BodyLimit
 from dspark.server.limits import ServerLimits
@@ -37,9 +38,9 @@ from dspark.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoic
                                     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                     CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
                                     ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
-from dspark.server.serving import (ChunkBuilder, chat_prompt, check_chat, check_completion, checked_prompt,
-                                   collect, completion_prompts, sampling_params, spec_info, stream_sse,
-                                   usage)
+from dspark.server.serving import (SHUTTING_DOWN, ChunkBuilder, chat_prompt, check_chat, check_completion,
+                                   checked_prompt, collect, completion_prompts, sampling_params, spec_info,
+                                   stream_sse, usage)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -146,6 +147,8 @@ def _as_api_error(exc: BaseException, prompt_param: str) -> BaseException:
         return APIError(400, str(exc), param=prompt_param, code="invalid_prompt")
     if isinstance(exc, RequestFailed):
         return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, ServerShuttingDown):
+        return APIError(503, str(exc), code=SHUTTING_DOWN)
     if isinstance(exc, EngineNotRunning):
         return APIError(503, str(exc), code="engine_unavailable")
     return exc
@@ -212,6 +215,8 @@ def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
     async def health() -> JSONResponse:
         if not state.async_engine.is_running:
             raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+        if state.async_engine.draining:           # a load balancer should send no more here
+            raise APIError(503, "the server is shutting down", code=SHUTTING_DOWN)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

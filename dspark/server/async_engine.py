@@ -40,6 +40,11 @@ class EngineNotRunning(RuntimeError):
     """The engine thread is not started, or has stopped (shutdown)."""
 
 
+class ServerShuttingDown(EngineNotRunning):
+    """The server is draining before it exits: it admits nothing new and ends, after the grace
+    period, what is still running (a deliberate stop, not an engine failure)."""
+
+
 class RequestFailed(Exception):
     """The engine failed while running this request (the server itself keeps serving)."""
 
@@ -103,6 +108,7 @@ class AsyncEngine:
         self._in_transit = 0             # adds taken from the inbox, not yet in the scheduler
         self._engine_waiting = 0
         self._stopped = False
+        self.draining = False                # set by `drain`: new requests are refused
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -134,6 +140,25 @@ class AsyncEngine:
             stream.push(RequestFailed("the server is shutting down"))
         self._streams.clear()
 
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, give those in flight `grace_s` seconds, then end the rest with
+        ServerShuttingDown, aborted in the engine: called as the server starts shutting down, so
+        clients get an answer or a clear error before their connections close, not a cut."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        logger.info("draining: %d request(s) in flight, up to %g s to finish", len(self._streams), grace_s)
+        while self._streams and self.is_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._streams)
+        if not left or self.fatal is not None:     # an engine failure answered them already
+            return
+        logger.warning("ending %d request(s) still running after the %g s grace period", len(left), grace_s)
+        error = ServerShuttingDown(f"the server is shutting down; the request did not finish "
+                                   f"within the {grace_s:g} s grace period")
+        self._deliver([(request_id, error) for request_id in left])
+        for request_id in left:
+            self.abort(request_id)
+
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.fatal is None
@@ -152,6 +177,8 @@ class AsyncEngine:
         """Queue a request without waiting; raises QueueFull when too many are waiting."""
         if not self.is_running:
             raise EngineNotRunning("the engine is not running")
+        if self.draining:
+            raise ServerShuttingDown("the server is shutting down and admits no new requests")
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self, self.max_pending_outputs)
         with self._cond:
@@ -224,6 +251,9 @@ class AsyncEngine:
             if commands is None:
                 break
             try:
+                if not commands and not self.engine.has_unfinished:
+                    self.engine.heartbeat()                   # idle for heartbeat_s: check peers
+                    continue
                 self._apply(commands)
                 if self.engine.has_unfinished:
                     self._step()
@@ -237,9 +267,12 @@ class AsyncEngine:
         logger.info("engine loop stopped")
 
     def _take(self, block: bool) -> list[_Add | _Abort] | None:
+        """The queued commands (None once stopped). An idle wait ends after the engine's
+        `heartbeat_s` with no commands, so that a data-parallel group checks its ranks even
+        while no request comes."""
         with self._cond:
-            while block and not self._inbox and not self._stopped:
-                self._cond.wait()
+            if block:
+                self._cond.wait_for(lambda: self._inbox or self._stopped, self.engine.heartbeat_s)
             if self._stopped:
                 return None
             commands, self._inbox = self._inbox, []
@@ -359,4 +392,4 @@ def _spec_delta(before: SpecStats, after: SpecStats) -> SpecStats:
 
 
 __all__ = ["AsyncEngine", "EngineNotRunning", "EngineObserver", "EngineState", "QueueFull",
-           "RequestFailed", "RequestStream", "StepReport"]
+           "RequestFailed", "RequestStream", "ServerShuttingDown", "StepReport"]

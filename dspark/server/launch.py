@@ -72,6 +72,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          help="model name clients send (default: the model file or folder name)")
     add_missing_argument(parser, "--max-queue", type=int, default=256,
                          help="waiting requests beyond this are refused with HTTP 429")
+    add_missing_argument(parser, "--shutdown-timeout", type=_seconds, default=30.0,
+                         help="on SIGTERM or SIGINT, seconds the requests in flight get to finish "
+                              "(new ones are refused) before they end with an error and the server "
+                              "exits")
     limits = ServerLimits()
     add_missing_argument(parser, "--max-request-bytes", type=int, default=limits.max_request_bytes,
                          help="larger request bodies are refused with HTTP 413")
@@ -84,6 +88,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_missing_argument(parser, "--max-pending-outputs", type=int, default=limits.max_pending_outputs,
                          help="engine outputs a streaming client may leave unread before it is "
                               "cut off and its request aborted")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
@@ -120,11 +131,11 @@ def run_serve(args: argparse.Namespace) -> int:
     """`dspark serve`: load the engine first (errors surface before binding), then serve.
 
     Under torchrun every process runs this; rank 0 serves HTTP, the others only step. The exit
-    status is non-zero when the engine died under the server (a data-parallel rank failed)."""
-    import uvicorn
-
+    status is non-zero when the engine died under the server (a data-parallel rank failed); a
+    SIGTERM or SIGINT drains the requests in flight (--shutdown-timeout) and exits 0."""
     from dspark.distributed.torchrun import torchrun_rank
     from dspark.server.api_server import build_app
+    from dspark.server.shutdown import DrainingServer, graceful_config
     config = engine_config_from_args(args)
     rank = torchrun_rank(config)
     if rank is not None and rank.rank != 0:
@@ -135,8 +146,9 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_queue=args.max_queue, on_fatal=lambda exc: _exit_server(holder),
                     limits=limits_from_args(args))
     level = "info" if logging.getLogger().isEnabledFor(logging.INFO) else "warning"
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
-                                           timeout_graceful_shutdown=5))
+    grace_s = getattr(args, "shutdown_timeout", 30.0)
+    server_config = graceful_config(app, grace_s, host=args.host, port=args.port, log_level=level)
+    server = DrainingServer(server_config, lambda: app.state.server.async_engine.drain(grace_s))
     holder["server"] = server
     server.run()
     fatal = app.state.server.async_engine.fatal

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import ParamError, SamplingParams
-from dspark.server.async_engine import EngineNotRunning, RequestFailed, RequestStream
+from dspark.server.async_engine import EngineNotRunning, RequestFailed, RequestStream, ServerShuttingDown
 from dspark.server.errors import APIError
 from dspark.server.limits import LimitExceeded, ServerLimits
 from dspark.server.request_stream import ReaderTooSlow
@@ -17,6 +17,8 @@ from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, Sa
                                     SpecStatsInfo, Usage)
 from dspark.server.unsupported import CHAT, COMPLETION, MESSAGE, SHARED, log_unknown, refuse_unsupported
 from dspark.tokenizer import Tokenizer
+
+SHUTTING_DOWN = "server_shutting_down"    # the error code of everything a draining server refuses
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -178,6 +180,8 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
                 finals[index] = output
     except RequestFailed as exc:
         raise APIError(500, str(exc), code="engine_error") from exc
+    except ServerShuttingDown as exc:         # ended by the shutdown's grace period
+        raise APIError(503, str(exc), code=SHUTTING_DOWN) from exc
     except EngineNotRunning as exc:           # the engine is gone (a data-parallel rank failed)
         raise APIError(503, str(exc), code="engine_unavailable") from exc
     return [finals[i] for i in range(len(streams))]
@@ -223,6 +227,8 @@ async def stream_sse(streams: list[RequestStream], builder: ChunkBuilder,
         yield sse_error(str(exc))
     except ReaderTooSlow as exc:              # only seen by a reader that came back
         yield sse_error(str(exc), exc.status, exc.code)
+    except ServerShuttingDown as exc:
+        yield sse_error(str(exc), 503, SHUTTING_DOWN)
     except EngineNotRunning as exc:
         yield sse_error(str(exc), 503, "engine_unavailable")
     yield "data: [DONE]\n\n"

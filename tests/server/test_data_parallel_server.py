@@ -1,5 +1,5 @@
 """`dspark serve --dp 2`: serves through two ranks; when a rank dies the server answers 503 and
-exits non-zero instead of hanging."""
+exits non-zero instead of hanging, and an idle server notices the death too (its heartbeat)."""
 
 import os
 import socket
@@ -104,6 +104,24 @@ def test_rank_death_answers_503_and_exits_nonzero(dp_server):
     assert proc.wait(timeout=30) == 1                       # the server exits non-zero
     log = proc.stdout.read()
     assert "data-parallel rank 1 died" in log
+
+
+def test_an_idle_server_notices_a_dead_rank(dp_server):
+    """No request needs to come: the idle engine thread's heartbeat finds the dead rank (and
+    beats past the timeout harmlessly while every rank is alive)."""
+    proc, url = dp_server
+    ranks = rank_processes(proc.pid)
+    assert len(ranks) == 1
+    time.sleep(4 + 2)                                       # idle past --dp-timeout: still serving
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    done = client.completions.create(model=client.models.list().data[0].id, prompt="w1 w2",
+                                     max_tokens=4, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 4 and proc.poll() is None
+    os.kill(ranks[0], 9)
+    killed = time.monotonic()
+    assert proc.wait(timeout=4 + 10) == 1                   # --dp-timeout 4, plus start-up slack
+    assert time.monotonic() - killed < 4 + 3                # within the timeout plus a margin
+    assert "data-parallel rank 1 died" in proc.stdout.read()
 
 
 def stall_rank0_engine(config, rank):
