@@ -76,8 +76,9 @@ class SpecConfig:
     drafter: str | None = AUTO           # drafter folder (speculators or DeepSpec format), "embedded",
                                          # "auto" or None (plain decoding)
     sts: str | None = None               # STS calibration JSON for the confidence head
-    spec_schedule: str = "verify-all"    # or "confidence": verify only the drafts worth their cost
-    cost_table: str | None = None        # `dspark profile` JSON, or "auto" to profile at start-up
+    spec_schedule: str = "confidence"    # verify only the drafts worth their cost, or "verify-all"
+    cost_table: str | None = None        # None: measured once per setup and cached; "auto": measured
+                                         # at start-up; or a `dspark profile` JSON
     min_gain: float = 0.05               # trim only for at least this predicted gain in tokens/ms
     confidence_lag: int = 2              # the budget uses confidences from this many rounds back
     probe_interval: int = 16             # a request left undrafted this many steps drafts again
@@ -88,8 +89,6 @@ class SpecConfig:
         "auto" picks it when the target is the embedded one and decodes plainly otherwise."""
         if self.drafter == AUTO:
             self.drafter = EMBEDDED if model is None else None
-        if self.drafter is None and self.spec_schedule != "verify-all":
-            raise ValueError("confidence scheduling needs a drafter")
         if self.drafter != EMBEDDED:
             return
         if model is not None:
@@ -121,10 +120,7 @@ class SpecConfig:
             if self.cost_table is not None:
                 raise ValueError("a cost table only applies to spec_schedule='confidence'")
             return
-        if self.cost_table is None:
-            raise ValueError("confidence scheduling needs a cost table: run `dspark profile --out "
-                             "cost.json` and pass cost_table='cost.json', or cost_table='auto'")
-        if self.cost_table != "auto" and not os.path.exists(self.cost_table):
+        if self.cost_table not in (None, "auto") and not os.path.exists(self.cost_table):
             raise FileNotFoundError(f"cost table {self.cost_table!r} does not exist")
         if not self.min_gain >= 0 or self.confidence_lag < 1 or self.probe_interval < 1:
             raise ValueError(f"min_gain must be >= 0, confidence_lag and probe_interval >= 1, got "

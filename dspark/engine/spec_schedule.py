@@ -124,6 +124,7 @@ class ConfidenceScheduler:
                          joining_tokens=joining_tokens)
         chosen = plan_step(survival, self.table, num_sampling, other, self.min_gain, cost_scale=scale,
                            joining_tokens=joining_tokens).drafted if any(probe) else plan.drafted
+        plan = _pin_seeded(plan, spec)
         for s, priced, drafted, probed, wanted in zip(spec, stale, plan.drafted, probe, chosen):
             seq = s.seq
             seq.steps_without_draft = 0 if drafted else seq.steps_without_draft + 1
@@ -167,3 +168,16 @@ class ConfidenceScheduler:
 
     def _interval(self, seq: Sequence) -> int:
         return self.probe_interval * seq.probe_backoff
+
+
+def _pin_seeded(plan: StepPlan, spec: list[ScheduledRequest]) -> StepPlan:
+    """A seeded sampling request drafts and has every draft verified, whatever the plan: which
+    drafts a sampled request verifies decides which tokens its seed draws, and the plan depends
+    on the load and on measured step times, so only a fixed choice keeps its text a function of
+    its seed (the one verify-all gives). The step then verifies every draft of every request it
+    drafts (the budget is not trimmed)."""
+    pinned = [s.seq.generator is not None and not s.seq.params.greedy for s in spec]
+    if not any(pinned):
+        return plan
+    return StepPlan(drafted=[d or p for d, p in zip(plan.drafted, pinned)], budget=plan.full,
+                    full=plan.full)

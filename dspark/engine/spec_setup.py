@@ -4,19 +4,26 @@ is start-up work, so a misconfiguration is an error before the first request, no
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import logging
 import os
+import platform
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from dspark.config import EngineConfig
+from dspark.config import EngineConfig, cache_root
 from dspark.engine.spec_schedule import ConfidenceScheduler
 from dspark.models.drafter import Drafter
 from dspark.spec.planner import CostTable
 from dspark.spec.sts import STSCalibration
 from dspark.worker.graphs import StepGraphs
 from dspark.worker.profile import ProfileConfig
+
+logger = logging.getLogger(__name__)
 
 
 def cost_fingerprint(config: EngineConfig, drafter: Drafter | None, graphs: StepGraphs,
@@ -43,25 +50,70 @@ def load_sts(config: EngineConfig, drafter: Drafter | None, gamma: int) -> STSCa
 def confidence_scheduler(config: EngineConfig, drafter: Drafter | None, gamma: int,
                          sts: STSCalibration | None, max_model_len: int, fingerprint: dict,
                          profile: Callable[[ProfileConfig], CostTable]) -> ConfidenceScheduler | None:
-    """The verify-budget planner, with its cost table checked against `fingerprint` (or measured
-    by `profile` for `--cost-table auto`); None without confidence scheduling."""
+    """The verify-budget planner with its cost table: a given file (checked against
+    `fingerprint`), measured now by `profile` (`auto`), or by default measured once per setup and
+    cached; None without a drafter or with verify-all."""
     spec = config.spec
-    if spec.spec_schedule != "confidence":
+    if drafter is None or spec.spec_schedule != "confidence":
         return None
     if not drafter.config.enable_confidence_head:
-        raise ValueError("confidence scheduling needs a drafter with a confidence head")
+        logger.warning("the drafter has no confidence head to schedule by: every draft is verified")
+        return None
+    shape = _profile_config(config, gamma, max_model_len)
+    measure = lambda: profile(shape)  # noqa: E731
     if spec.cost_table == "auto":
-        sched = config.scheduler
-        max_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * (gamma + 1))
-        table = profile(ProfileConfig(
-            max_tokens=max_tokens, max_requests=sched.max_num_seqs,
-            context_len=min(256, max_model_len - gamma - 1),
-            token_stride=max(1, max_tokens // 32), repeats=3, warmup=1))
+        table = measure()
+    elif spec.cost_table is None:
+        key = {**fingerprint, "profile": dataclasses.asdict(shape), "torch": torch.__version__,
+               "machine": _machine()}
+        table = cached_cost_table(fingerprint, key, measure, cache_root() / "cost_tables")
     else:
         table = CostTable.load(spec.cost_table)
         table.check_fingerprint(fingerprint)
     return ConfidenceScheduler(table, sts, gamma, spec.confidence_lag, spec.min_gain,
                                spec.probe_interval, cost_correction=spec.cost_correction)
+
+
+def _profile_config(config: EngineConfig, gamma: int, max_model_len: int) -> ProfileConfig:
+    sched = config.scheduler
+    max_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * (gamma + 1))
+    return ProfileConfig(max_tokens=max_tokens, max_requests=sched.max_num_seqs,
+                         context_len=min(256, max_model_len - gamma - 1),
+                         token_stride=max(1, max_tokens // 32), repeats=3, warmup=1)
+
+
+def cached_cost_table(fingerprint: dict, key: dict, measure: Callable[[], CostTable],
+                      folder: Path) -> CostTable:
+    """The cost table of this setup from `folder` (a file per `key`: the fingerprint, what was
+    measured, the machine), measured and stored the first time. A file that cannot be read or
+    was made for another setup is measured again (warned), never trusted."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = folder / f"cost-{digest}.json"
+    if path.exists():
+        try:
+            table = CostTable.load(str(path))
+            table.check_fingerprint(fingerprint)
+            logger.info("cost model: %s (measured earlier for this setup)", path)
+            return table
+        except (OSError, ValueError) as exc:
+            logger.warning("the cached cost model %s is not usable (%s); measuring it again", path, exc)
+    logger.info("measuring the cost model of this setup (once; cached in %s)", path)
+    table = measure()
+    folder.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    table.save(str(scratch))
+    os.replace(scratch, path)                    # readers never see half a file
+    return table
+
+
+def _machine() -> str:
+    """The CPU model (a cached table measured on another machine must not be reused)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
 
 
 def _file_digest(folder: str | None, name: str) -> str | None:

@@ -44,10 +44,11 @@ ENGINE_ARGS: list[tuple[str, dict]] = [
                                                         "(warned and counted) instead of failing")),
     ("--sts", dict(default=None, help="STS calibration JSON for the drafter's confidence head "
                                       "(the shipped drafter brings its own)")),
-    ("--spec-schedule", dict(default="verify-all", choices=["verify-all", "confidence"],
-                             help="verify every draft, or only those worth their cost")),
-    ("--cost-table", dict(default=None, help="`dspark profile` JSON for --spec-schedule confidence, "
-                                             "or 'auto' to profile at start-up")),
+    ("--spec-schedule", dict(default="confidence", choices=["confidence", "verify-all"],
+                             help="verify only the drafts worth their cost (default), or every draft")),
+    ("--cost-table", dict(default=None, help="the step costs the schedule prices drafts by: a "
+                                             "`dspark profile` JSON, or 'auto' to measure at start-up "
+                                             "(default: measured once per setup and cached)")),
     ("--min-gain", dict(type=float, default=0.05,
                         help="trim verification only for this predicted gain in tokens/s")),
     ("--confidence-lag", dict(type=int, default=2, help="rounds between a confidence and its use")),
@@ -117,7 +118,7 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
                         graph=getattr(args, "graph", "auto"),
                         max_graph_tokens=getattr(args, "max_graph_tokens", 512),
                         graph_fallback=getattr(args, "graph_fallback", False),
-                        spec_schedule=getattr(args, "spec_schedule", "verify-all"),
+                        spec_schedule=getattr(args, "spec_schedule", "confidence"),
                         cost_table=getattr(args, "cost_table", None),
                         min_gain=getattr(args, "min_gain", 0.05),
                         confidence_lag=getattr(args, "confidence_lag", 2),

@@ -62,7 +62,7 @@ def _timed_in_rounds(fns: list, cfg: ProfileConfig, bar) -> list[float]:
 def _tables(worker: Worker, num_requests: int, context_len: int, rows: int) -> list[list[int]]:
     """Block tables over scratch blocks (shared modulo the cache size: cost, not content, counts)."""
     per = -(-(context_len + rows) // worker.block_size)
-    total = worker.kv_caches[0][0].shape[0]
+    total = worker.kv_caches[0][0].shape[0] // worker.block_size        # blocks (the cache is [slots, ...])
     return [[(r * per + i) % total for i in range(per)] for r in range(num_requests)]
 
 

@@ -81,7 +81,8 @@ def test_corrected_plan_is_the_brute_force_optimum_of_corrected_costs(seed):
 
 
 def _request(survivals):
-    seq = SimpleNamespace(survival_history=survivals, steps_without_draft=0, probe_backoff=1)
+    seq = SimpleNamespace(survival_history=survivals, steps_without_draft=0, probe_backoff=1,
+                          generator=None, params=SimpleNamespace(greedy=True))
     return SimpleNamespace(seq=seq, spec=True, sample=True, verify_len=2, num_new_tokens=3)
 
 

@@ -186,7 +186,7 @@ def test_a_steep_cost_table_trims_verification_losslessly(tmp_path_factory, targ
     verify-all does, and the output does not change."""
     d = drafter(tmp_path_factory, target_dir, gamma=4, copy_prev=9.0)
     prompts, params = workload(16)
-    full = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16)
+    full = make_llm(target_dir, d, max_num_batched_tokens=64, max_num_seqs=16, spec_schedule="verify-all")
     assert [o.token_ids for o in full.generate(prompts, params)] == reference
     path = str(tmp_path_factory.mktemp("cost") / "cost.json")
     CostTable(fingerprint=full.engine.cost_fingerprint(),
@@ -243,7 +243,7 @@ def test_futile_probes_double_the_probe_interval():
     sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=4,
                                 half_life=1e9, cost_correction=False)
     _population(sched, 200, [2, 2, 1, 0, 0])                     # realises about [0.6, 0.4]
-    seqs = [SimpleNamespace(survival_history=[sched.survival_of(hopeless)], steps_without_draft=0,
+    seqs = [SimpleNamespace(generator=None, survival_history=[sched.survival_of(hopeless)], steps_without_draft=0,
                             probe_backoff=1, planned_survival=None) for _ in range(4)]
     batch = [SimpleNamespace(seq=s, spec=True, sample=True, verify_len=2, num_new_tokens=3) for s in seqs]
     pattern = []
@@ -266,12 +266,13 @@ def test_futile_probes_double_the_probe_interval():
 
 def test_schedule_configuration_errors(tmp_path_factory, target_dir):
     d = drafter(tmp_path_factory, target_dir, gamma=4)
-    with pytest.raises(ValueError, match="needs a cost table"):
-        make_llm(target_dir, d, spec_schedule="confidence")
     with pytest.raises(ValueError, match="spec_schedule must be one of"):
         make_llm(target_dir, d, spec_schedule="sometimes")
-    with pytest.raises(ValueError, match="needs a drafter"):
-        make_llm(target_dir, None, spec_schedule="confidence", cost_table="auto")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        make_llm(target_dir, d, cost_table="/nonexistent/cost.json")
+    with pytest.raises(ValueError, match="only applies to spec_schedule='confidence'"):
+        make_llm(target_dir, d, spec_schedule="verify-all", cost_table="auto")
+    assert make_llm(target_dir, None).engine.confidence_scheduler is None   # plain: nothing to plan
     path = str(tmp_path_factory.mktemp("cost") / "cost.json")
     CostTable(fingerprint={"device": "cpu", "model": "another"}, verify_ms=[0, 1.0, 2.0],
               draft_ms=[0, 1.0]).save(path)
@@ -320,7 +321,7 @@ def test_old_confidences_fade_toward_the_population_prior():
         sched.correction.observe(torch.ones(2), verified=2, accepted=2)
 
     def priced(age: int, history: list) -> torch.Tensor:
-        seq = SimpleNamespace(survival_history=[sched.survival_of(z) for z in history],
+        seq = SimpleNamespace(generator=None, survival_history=[sched.survival_of(z) for z in history],
                               steps_without_draft=age)
         return torch.from_numpy(sched._stale_survival([SimpleNamespace(seq=seq, verify_len=2)])[0])
 
@@ -346,7 +347,7 @@ def test_the_planner_learns_what_its_own_prices_realise():
     def run(accepted: int) -> tuple[ConfidenceScheduler, StepPlan]:
         sched = ConfidenceScheduler(table, None, gamma=2, lag=2, min_gain=0.0, probe_interval=10**6,
                                     cost_correction=False)
-        batch = [SimpleNamespace(seq=SimpleNamespace(
+        batch = [SimpleNamespace(seq=SimpleNamespace(generator=None,
             survival_history=[sched.survival_of(sure), sched.survival_of(hopeless)],
             steps_without_draft=0, probe_backoff=1,
             planned_survival=None), spec=True, sample=True, verify_len=2, num_new_tokens=3)
@@ -383,7 +384,7 @@ def test_a_probe_runs_only_when_a_good_case_pays():
         sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=4,
                                     half_life=1e9, cost_correction=False)
         _population(sched, 200, accepted)
-        seqs = [SimpleNamespace(survival_history=[sched.survival_of(hopeless)],
+        seqs = [SimpleNamespace(generator=None, survival_history=[sched.survival_of(hopeless)],
                                 steps_without_draft=4 if i < due else 0, probe_backoff=1,
                                 planned_survival=None) for i in range(4)]
         batch = [SimpleNamespace(seq=s, spec=True, sample=True, verify_len=2, num_new_tokens=3)
@@ -413,7 +414,7 @@ def test_the_scheduler_prices_drafts_on_top_of_the_prefill_that_joins():
     z = math.log(0.3 / 0.7)                               # c = 0.3: survival [0.3, 0.09]
     sched = ConfidenceScheduler(table, None, gamma=2, lag=1, min_gain=0.05, probe_interval=10**6,
                                 cost_correction=False)
-    batch = [SimpleNamespace(seq=SimpleNamespace(survival_history=[sched.survival_of([z, z])],
+    batch = [SimpleNamespace(seq=SimpleNamespace(generator=None, survival_history=[sched.survival_of([z, z])],
                                                  steps_without_draft=0,
                                                  probe_backoff=1, planned_survival=None),
                              spec=True, sample=True, verify_len=2, num_new_tokens=3) for _ in range(4)]
