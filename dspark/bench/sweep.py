@@ -1,5 +1,6 @@
 """`dspark bench --mode sweep`: output tokens/s by concurrency for plain decoding, DSpark
-verify-all and DSpark confidence-scheduled, in one run (interleaved, medians), plus a PNG.
+verify-all and DSpark as it runs by default (confidence-scheduled, its cost model measured once
+and cached), in one run (interleaved, medians), plus a PNG.
 
 Concurrency c means at most c requests in flight in the offline engine, each with the same
 prompt length and a fixed output length (greedy, ignore_eos): a level runs max(c,
@@ -17,7 +18,7 @@ import statistics
 
 from dspark.bench.closed_loop import closed_loop
 
-SYSTEMS = ("plain", "verify-all", "scheduled")
+SYSTEMS = ("plain", "verify-all", "default")
 
 
 def fixed_length(prompts: list[list[int]], length: int, n: int) -> list[list[int]]:
@@ -39,12 +40,12 @@ def _engines(args, max_seqs: int) -> dict:
     common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max_seqs,
                   graph=getattr(args, "graph", "auto"))
     engines = {"plain": LLM(args.model, drafter=None, **common),
-               "verify-all": LLM(args.model, drafter=args.drafter, **common)}
+               "verify-all": LLM(args.model, drafter=args.drafter, spec_schedule="verify-all", **common)}
     if engines["verify-all"].engine.drafter is None:
         raise SystemExit("bench --mode sweep compares against a drafter: pass --drafter for this model")
-    engines["scheduled"] = LLM(args.model, drafter=args.drafter, spec_schedule="confidence",
-                               cost_table=args.cost_table or "auto", min_gain=args.min_gain,
-                               cost_correction=not getattr(args, "no_cost_correction", False), **common)
+    engines["default"] = LLM(args.model, drafter=args.drafter, cost_table=args.cost_table,
+                             min_gain=args.min_gain,
+                             cost_correction=not getattr(args, "no_cost_correction", False), **common)
     return engines
 
 
@@ -59,7 +60,7 @@ def plot_sweep(levels: list[int], medians: dict[str, list[float]], path: str) ->
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens/s")
-    ax.set_title("plain vs DSpark verify-all vs confidence-scheduled")
+    ax.set_title("plain vs DSpark verify-all vs DSpark default (confidence-scheduled)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -77,39 +78,39 @@ def run_sweep_bench(args) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     medians: dict[str, list[float]] = {name: [] for name in SYSTEMS}
-    drafted_share = []              # scheduled: requests' decode steps that drafted, of all of them
+    drafted_share = []              # default: requests' decode steps that drafted, of all of them
     for c in levels:
         prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
         runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
         for llm in engines.values():
             llm.generate(prompts[:c], warm)
-        engines["scheduled"].engine.reset_spec_stats()
+        engines["default"].engine.reset_spec_stats()
         for _ in range(args.repetitions):
             for name in SYSTEMS:                   # interleaved: drift hits every system alike
                 runs[name].append(closed_loop(engines[name].engine, prompts, params, c)["tokens_per_s"])
         for name in SYSTEMS:
             medians[name].append(statistics.median(runs[name]))
-        stats = engines["scheduled"].engine.spec_stats
+        stats = engines["default"].engine.spec_stats
         drafted_share.append(stats.draft_rounds / max(1, stats.draft_rounds + stats.undrafted_steps))
     png = plot_sweep(levels, medians, args.png)
     print(f"{args.output_tokens} tokens from each of max(c, {args.sweep_requests}) requests of "
           f"{args.input_tokens} prompt tokens, at most c in flight; medians of {args.repetitions}")
-    print("concurrency | plain tok/s | verify-all tok/s | scheduled tok/s | scheduled / best other "
-          "| scheduled: request steps that drafted")
+    print("concurrency | plain tok/s | verify-all tok/s | default tok/s | default / best other "
+          "| default: request steps that drafted")
     print("---|---|---|---|---|---")
     ratios = []
     for i, c in enumerate(levels):
         best = max(medians["plain"][i], medians["verify-all"][i])
-        ratios.append(medians["scheduled"][i] / best)
+        ratios.append(medians["default"][i] / best)
         print(f"{c} | {medians['plain'][i]:.1f} | {medians['verify-all'][i]:.1f} | "
-              f"{medians['scheduled'][i]:.1f} | {ratios[-1]:.2f}x | {drafted_share[i]:.0%}")
+              f"{medians['default'][i]:.1f} | {ratios[-1]:.2f}x | {drafted_share[i]:.0%}")
     print(f"plot: {png}")
     report = {"bench": "sweep", "levels": levels,
               "requests_per_level": [max(c, args.sweep_requests) for c in levels],
               "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
               "repetitions": args.repetitions,
               "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in medians.items()},
-              "scheduled_over_best_other": [round(r, 3) for r in ratios],
-              "scheduled_drafted_share": [round(d, 3) for d in drafted_share], "plot": png}
+              "default_over_best_other": [round(r, 3) for r in ratios],
+              "default_drafted_share": [round(d, 3) for d in drafted_share], "plot": png}
     print(json.dumps(report))
     return report
