@@ -10,6 +10,8 @@ import pytest  # noqa: E402
 
 from dspark.models.layers import cpu_kernels  # noqa: E402
 
+pytest_plugins = ["cuda_selection"]     # `cuda` tests: deselected by default without a GPU
+
 # The arithmetic of dspark's CPU kernels: AVX512-BF16 dot products, or AMX tiles where the CPU has them.
 PATH_MARKS = {
     False: pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX512-BF16 and a C++ compiler"),

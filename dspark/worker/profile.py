@@ -130,7 +130,7 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
         raise ValueError("profiling prices speculative steps: the engine needs a drafter")
     gamma = worker.drafter.config.block_size
     sizes = _token_sizes(worker, cfg)
-    bar = tqdm(total=2 * cfg.repeats, desc="profile rounds", disable=not use_tqdm)
+    bar = tqdm(total=2 * cfg.repeats, desc="measuring step costs (target, drafter)", disable=not use_tqdm)
     timed = _timed_in_rounds([_verify_fn(worker, t, gamma, cfg.context_len) for t in sizes], cfg, bar)
     measured = dict(zip(sizes, timed))
     verify = [measured[min(m for m in sizes if m >= t)] for t in range(1, cfg.max_tokens + 1)]
