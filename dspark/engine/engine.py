@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -139,7 +140,12 @@ class Engine:
         if cfg.context_len + rows > self.max_model_len:
             raise ValueError(f"profiling a context of {cfg.context_len} tokens plus {rows} new ones "
                              f"exceeds max_model_len={self.max_model_len}; lower --context-len")
-        return profile_worker(self.worker, cfg, self.cost_fingerprint())
+        graphs = [g for g in (self.worker.graphs, self.worker.draft_graphs) if g is not None]
+        counted = [copy.deepcopy(g.stats) for g in graphs]
+        table = profile_worker(self.worker, cfg, self.cost_fingerprint())
+        for g, stats in zip(graphs, counted):       # the profile's steps are no served steps
+            g.stats = stats
+        return table
 
     def _confidence_scheduler(self, gamma: int):
         """The verify-budget planner (spec_setup.py), with the STS applied on the device too."""
