@@ -2,9 +2,6 @@
 exits non-zero instead of hanging, and an idle server notices the death too (its heartbeat)."""
 
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -13,14 +10,12 @@ import urllib.request
 import openai
 import pytest
 
+from tiny_server import launched
+
+CLI = "from dspark.cli import main; main()"
+
 
 pytestmark = pytest.mark.slow          # every test starts a group of processes (seconds)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_processes(pid: int) -> list[int]:
@@ -47,26 +42,10 @@ def running_requests(url: str) -> float:
 
 @pytest.fixture
 def dp_server(target_dir, drafter_dir):
-    port = free_port()
-    cmd = [sys.executable, "-c", "from dspark.cli import main; main()", "serve", "--model", target_dir,
-           "--drafter", drafter_dir, "--dtype", "float32", "--graph", "eager", "--dp", "2",
-           "--dp-timeout", "4", "--threads", "1", "--port", str(port), "--max-model-len", "256"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1)
-            break
-        except (urllib.error.URLError, ConnectionError):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"the server did not start:\n{proc.stdout.read()}")
-            time.sleep(0.2)
-    yield proc, url
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    with launched(CLI, "--model", target_dir, "--drafter", drafter_dir, "--dtype", "float32",
+                  "--graph", "eager", "--dp", "2", "--dp-timeout", "4", "--threads", "1",
+                  "--max-model-len", "256") as served:
+        yield served
 
 
 def test_rank_death_answers_503_and_exits_nonzero(dp_server):

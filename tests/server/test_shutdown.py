@@ -7,18 +7,14 @@ import asyncio
 import http.client
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
-from test_data_parallel_server import free_port, running_requests
-from tiny_server import gated, serve
+from test_data_parallel_server import running_requests
+from tiny_server import gated, launched, serve
 
 GRACE_S = 2.0
 
@@ -65,26 +61,10 @@ def refused(conn: http.client.HTTPConnection, method: str, path: str, body: dict
 
 @pytest.fixture
 def slow_server(target_dir):
-    port = free_port()
-    cmd = [sys.executable, "-c", SLOW_SERVE, "serve", "--model", target_dir, "--no-drafter",
-           "--dtype", "float32", "--graph", "eager", "--threads", "1", "--port", str(port),
-           "--max-model-len", "512", "--shutdown-timeout", str(GRACE_S)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1)
-            break
-        except (urllib.error.URLError, ConnectionError):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"the server did not start:\n{proc.stdout.read()}")
-            time.sleep(0.2)
-    yield proc, url
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    with launched(SLOW_SERVE, "--model", target_dir, "--no-drafter", "--dtype", "float32",
+                  "--graph", "eager", "--threads", "1", "--max-model-len", "512",
+                  "--shutdown-timeout", str(GRACE_S)) as served:
+        yield served
 
 
 def wait_running(url: str, count: int, timeout: float = 30.0) -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -129,3 +133,35 @@ def gated(engine) -> Iterator[threading.Event]:
     finally:
         gate.set()
         engine.step = real_step
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def launched(code: str, *serve_args: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`dspark serve` in a child process (`code`: the Python that runs the CLI), once /health
+    answers: (process, base url); killed afterwards if still running."""
+    port = free_port()
+    cmd = [sys.executable, "-c", code, "serve", *serve_args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1)
+            break
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"the server did not start:\n{proc.stdout.read()}")
+            time.sleep(0.2)
+    try:
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
