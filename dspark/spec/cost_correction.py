@@ -92,7 +92,8 @@ class CostCorrection:
             return
         self.stale_warned = True
         logger.warning("%s steps of %d-%d tokens take %.2fx what the cost table says; planning "
-                       "corrects for it, but the table looks stale: run `dspark profile` again",
+                       "corrects for it, but the table looks stale: measure it again (`--cost-table auto`, "
+                       "or `dspark profile`)",
                        "drafted" if kind == DRAFTED else "plain", 2 ** (c - 1) + 1 if c else 1, 2 ** c, ratio)
 
     @property
