@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 
 from dspark.models.layers import cpu_kernels  # noqa: E402
 
-pytest_plugins = ["cuda_selection"]     # `cuda` tests: deselected by default without a GPU
+pytest_plugins = ["cuda_selection",      # `cuda` tests: deselected by default without a GPU
+                  "pytester"]            # (tested with pytester, enabled here: the top conftest)
 
 # The arithmetic of dspark's CPU kernels: AVX512-BF16 dot products, or AMX tiles where the CPU has them.
 PATH_MARKS = {

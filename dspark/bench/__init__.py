@@ -17,6 +17,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--data", default=None, help="spec: draft-training data folder (its held-out split)")
     p.add_argument("--num-prompts", type=int, default=8, help="spec: prompts per kind")
+    p.add_argument("--temperatures", default="0",
+                   help="spec: comma-separated sampling temperatures (sampled requests seeded per prompt)")
     p.add_argument("--sweep-concurrency", default="1,4,16,64",
                    help="sweep: comma-separated numbers of requests in flight")
     p.add_argument("--sweep-requests", type=int, default=8,

@@ -1,8 +1,10 @@
 """`dspark bench --mode spec`: plain vs DSpark at batch 1 on held-out prompts, in one run.
 
-Reports, per prompt kind (chat, code): tokens/s of both, the speed-up, the mean accepted length
-τ (accepted drafts + 1 per round) and per-position acceptance; greedy outputs are checked equal.
-Each prompt runs plain, then DSpark, then the next prompt (interleaved).
+Reports, per sampling temperature (`--temperatures`, default greedy only) and prompt kind (chat,
+code): tokens/s of both, the speed-up, the mean accepted length τ (accepted drafts + 1 per
+round) and per-position acceptance; greedy outputs are checked equal (sampled ones are equal in
+distribution, not sample by sample: "-"). Sampled requests are seeded per prompt, alike for both
+systems. Each prompt runs plain, then DSpark, then the next prompt (interleaved).
 """
 
 from __future__ import annotations
@@ -33,33 +35,49 @@ def run_spec_bench(args) -> None:
     spec = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter)
     if spec.engine.drafter is None:
         raise SystemExit("bench --mode spec compares against a drafter: pass --drafter for this model")
-    params = SamplingParams(temperature=0, max_tokens=args.batch1_tokens)
     kinds = args.prompt_source(args.data, plain.tokenizer, args.num_prompts)
     for llm in (plain, spec):
         llm.generate([kinds["code"][0]], SamplingParams(temperature=0, max_tokens=8))      # warm-up
+    temperatures = [float(t) for t in str(getattr(args, "temperatures", "0")).split(",") if t.strip()]
     rows, summary = [], {"bench": "spec", "dtype": args.dtype, "max_tokens": args.batch1_tokens}
-    for kind, prompts in kinds.items():
-        spec.engine.reset_spec_stats()
-        runs = {"plain": [], "dspark": []}
-        for _ in range(args.repetitions):
-            for name, run in _run({"plain": plain, "dspark": spec}, prompts, params).items():
-                runs[name].append(run)
-        same = all(a == b for (_, _, x), (_, _, y) in zip(runs["plain"], runs["dspark"]) for a, b in zip(x, y))
-        tps = {k: statistics.median(t / s for t, s, _ in v) for k, v in runs.items()}
-        stats: SpecStats = spec.engine.spec_stats
-        per_pos = [n / stats.draft_rounds for n in stats.accepted_per_position]
-        rows.append((kind, len(prompts), f"{tps['plain']:.1f}", f"{tps['dspark']:.1f}",
-                     f"{tps['dspark'] / tps['plain']:.2f}x", f"{stats.mean_accepted_length:.2f}",
-                     " ".join(f"{p:.2f}" for p in per_pos), "yes" if same else "NO"))
-        summary[kind] = {"prompts": len(prompts), "plain_tokens_per_s": round(tps["plain"], 2),
-                         "dspark_tokens_per_s": round(tps["dspark"], 2),
-                         "speedup": round(tps["dspark"] / tps["plain"], 3),
-                         "tau": round(stats.mean_accepted_length, 3),
-                         "acceptance_per_position": [round(p, 3) for p in per_pos],
-                         "identical_output": same}
-    head = ("prompts", "n", "plain tok/s", "DSpark tok/s", "speed-up", "tau", "acceptance by position", "same")
+    for temperature in temperatures:
+        for kind, prompts in kinds.items():
+            row, result = _measure(plain, spec, prompts, temperature, args)
+            rows.append((f"{temperature:g}", kind, len(prompts)) + row)
+            summary[kind if temperatures == [0.0] else f"{kind}@{temperature:g}"] = result
+    head = ("temperature", "prompts", "n", "plain tok/s", "DSpark tok/s", "speed-up", "tau",
+            "acceptance by position", "same")
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
     for row in rows:
         print(" | ".join(str(c) for c in row))
     print(json.dumps(summary))
+
+
+def _measure(plain, spec, prompts, temperature: float, args) -> tuple[tuple, dict]:
+    """One kind at one temperature: (table cells, JSON entry)."""
+    from dspark import SamplingParams
+    spec.engine.reset_spec_stats()
+    runs: dict[str, list[tuple[int, float, list]]] = {"plain": [], "dspark": []}   # per repetition
+    for rep in range(args.repetitions):
+        totals = {name: (0, 0.0, []) for name in runs}
+        for i, ids in enumerate(prompts):
+            params = SamplingParams(temperature=temperature, max_tokens=args.batch1_tokens,
+                                    seed=None if temperature == 0 else 1000 * rep + i)
+            for name, (t, sec, outs) in _run({"plain": plain, "dspark": spec}, [ids], params).items():
+                done = totals[name]
+                totals[name] = (done[0] + t, done[1] + sec, done[2] + outs)
+        for name, total in totals.items():
+            runs[name].append(total)
+    greedy = temperature == 0
+    same = all(x == y for (_, _, x), (_, _, y) in zip(runs["plain"], runs["dspark"])) if greedy else None
+    tps = {k: statistics.median(t / s for t, s, _ in v) for k, v in runs.items()}
+    stats: SpecStats = spec.engine.spec_stats
+    per_pos = [n / max(1, stats.draft_rounds) for n in stats.accepted_per_position]
+    cells = (f"{tps['plain']:.1f}", f"{tps['dspark']:.1f}", f"{tps['dspark'] / tps['plain']:.2f}x",
+             f"{stats.mean_accepted_length:.2f}", " ".join(f"{p:.2f}" for p in per_pos),
+             "-" if same is None else "yes" if same else "NO")
+    return cells, {"prompts": len(prompts), "temperature": temperature,
+                   "plain_tokens_per_s": round(tps["plain"], 2), "dspark_tokens_per_s": round(tps["dspark"], 2),
+                   "speedup": round(tps["dspark"] / tps["plain"], 3), "tau": round(stats.mean_accepted_length, 3),
+                   "acceptance_per_position": [round(p, 3) for p in per_pos], "identical_output": same}

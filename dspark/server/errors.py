@@ -28,6 +28,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None):
+        message = printable(message)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -43,6 +44,12 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def printable(text: str) -> str:
+    """`text` with anything UTF-8 cannot encode (a lone surrogate a client sent and a message
+    quotes) escaped, so an error body can always be written."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One readable message naming the first bad field (a union reports one error per member)."""
     if not errors:
@@ -52,6 +59,10 @@ def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | 
         return f"invalid request body: {errors[0].get('msg', 'malformed')}", None
     param = loc[0]
     same_field = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == [param]]
+    valued = next((e for e in same_field if e.get("type") == "value_error"), None)
+    if valued is not None:           # a union member of the right type with a wrong value says more
+        where = ".".join(str(p) for p in valued.get("loc", ()) if p != "body")
+        return f"'{where}': {valued.get('msg', 'invalid value')}", param
     leaf = next((part for part in reversed(loc) if part in FIELD_HINTS), param)
     if len(same_field) > 1 and leaf in FIELD_HINTS:
         return f"'{param}' has the wrong type: expected {FIELD_HINTS[leaf]}", param

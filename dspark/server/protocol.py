@@ -12,12 +12,26 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+
+def _unicode(value: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800") and Python decodes it into a string no
+    tokenizer or response can encode: refused at the boundary, not failed on later."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone UTF-16 surrogate at character {exc.start}, which is not "
+                         "valid Unicode") from None
+    return value
+
+
+Text = Annotated[str, Field(strict=True), AfterValidator(_unicode)]     # every string field
 
 Number = Annotated[float, Field(strict=True)]
 TokenIds = list[StrictInt]
-Prompt = Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
-Stop = Union[StrictStr, list[StrictStr], None]
+Prompt = Union[Text, list[Text], TokenIds, list[TokenIds]]
+Stop = Union[Text, list[Text], None]
 
 # What a union field expects, for error messages (pydantic reports every union member).
 FIELD_HINTS = {
@@ -38,7 +52,7 @@ class StreamOptions(_Request):
 
 class SamplingFields(_Request):
     """Fields shared by both endpoints; the extensions (top_k, min_p, ...) follow vLLM's names."""
-    model: StrictStr | None = None
+    model: Text | None = None
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: StrictInt | None = None
@@ -50,7 +64,7 @@ class SamplingFields(_Request):
     skip_special_tokens: StrictBool | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
+    user: Text | None = None
     # not implemented: refused unless neutral (unsupported.py)
     n: StrictInt | None = None
     presence_penalty: Number | None = None
@@ -60,7 +74,7 @@ class SamplingFields(_Request):
     use_beam_search: StrictBool | None = None
     logit_bias: dict[str, Any] | None = None
     min_tokens: StrictInt | None = None
-    bad_words: list[StrictStr] | None = None
+    bad_words: list[Text] | None = None
     allowed_token_ids: TokenIds | None = None
     include_stop_str_in_output: StrictBool | None = None
     truncate_prompt_tokens: StrictInt | None = None
@@ -68,9 +82,9 @@ class SamplingFields(_Request):
     spaces_between_special_tokens: StrictBool | None = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
-    guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
-    guided_grammar: StrictStr | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     structured_outputs: dict[str, Any] | None = None
 
 
@@ -80,21 +94,21 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool | None = None
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
     add_special_tokens: StrictBool | None = None
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(_Request):
-    role: StrictStr
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
     tool_calls: list[Any] | None = None              # refused (unsupported.py)
-    tool_call_id: StrictStr | None = None            # refused
+    tool_call_id: Text | None = None            # refused
 
     def as_template_input(self) -> dict[str, Any]:
         """Chat templates expect plain string content; text parts are joined in order."""
@@ -118,22 +132,22 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: StrictInt | None = None
     echo: StrictBool | None = None
     tools: list[Any] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
     functions: list[Any] | None = None
-    function_call: StrictStr | dict[str, Any] | None = None
-    chat_template: StrictStr | None = None
+    function_call: Text | dict[str, Any] | None = None
+    chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: StrictBool | None = None
     documents: list[Any] | None = None
     add_special_tokens: StrictBool | None = None
-    modalities: list[StrictStr] | None = None
+    modalities: list[Text] | None = None
     audio: dict[str, Any] | None = None
-    reasoning_effort: StrictStr | None = None
+    reasoning_effort: Text | None = None
 
 
 class TokenizeRequest(_Request):
-    model: StrictStr | None = None
-    prompt: StrictStr
+    model: Text | None = None
+    prompt: Text
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from dspark.server.errors import APIError
+from dspark.server.errors import APIError, printable
 
 logger = logging.getLogger(__name__)
 
@@ -109,4 +109,4 @@ def log_unknown(body: BaseModel, where: str) -> None:
         key = f"{where}.{name}"
         if key not in _logged_unknown:
             _logged_unknown.add(key)
-            logger.warning("ignoring the unknown field '%s' of %s (logged once)", name, where)
+            logger.warning("ignoring the unknown field '%s' of %s (logged once)", printable(name), where)

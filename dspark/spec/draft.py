@@ -15,7 +15,7 @@ import torch
 from dspark.models.drafter import Drafter
 from dspark.models.layers.attention import gather_blocks, write_kv
 from dspark.spec.types import DraftProposal
-from dspark.worker.sampler import SamplingTensors, exponential_noise
+from dspark.worker.sampler import SamplingTensors, seeded_exponentials
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 BlockPass = Callable[..., tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]   # `block_pass`
@@ -97,6 +97,7 @@ def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors:
         return DraftProposal(tokens=fused[0], probs=None,
                              confidence_logits=fused[1] if cfg.enable_confidence_head else None)
     gamma = h.shape[1]
+    noise = None if st.all_greedy else _draft_noise(drafter, st, anchors.shape[0], gamma, base.device)
     tokens, probs, conf = [], [], []
     prev = anchors
     for k in range(gamma):
@@ -110,7 +111,7 @@ def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors:
         if st.all_greedy:                       # the argmax over V_draft, no [R, V] scatter
             prev, q = drafter.to_target_ids(logits.argmax(-1)), None
         else:
-            prev, q = _sample_draft(drafter.scatter_to_target_vocab(logits), st)      # q [R, V]
+            prev, q = _sample_draft(drafter, logits, noise[:, k], st)                  # q [R, V]
         tokens.append(prev)
         probs.append(q)
     return DraftProposal(tokens=torch.stack(tokens, 1),
@@ -118,11 +119,33 @@ def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors:
                          confidence_logits=torch.stack(conf, 1) if conf else None)
 
 
-def _sample_draft(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Greedy rows take the argmax; the others sample from q = softmax(logits / T) exactly."""
-    greedy = logits.argmax(-1)
-    if st.all_greedy:
-        return greedy, None
-    q = torch.softmax(logits / st.temperature[:, None], dim=-1)
-    sampled = (q / exponential_noise(tuple(q.shape), st.generators, q.device)).argmax(-1)
+def _draft_noise(drafter: Drafter, st: SamplingTensors, r: int, gamma: int,
+                 device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [R, γ, V_draft] for the whole block, drawn before the loop: a seeded row
+    takes γ draws of V from its generator, as one exponential per position over the target
+    vocabulary always did, so its drafts keep their bits, but only the draft vocabulary's
+    columns are turned into noise; unseeded rows draw the draft vocabulary's alone."""
+    columns = drafter.draft_to_target_index if drafter.config.uses_draft_vocab else None
+    width = drafter.config.draft_vocab_size if columns is not None else drafter.config.vocab_size
+    noise = torch.empty(r, gamma, width, device=device)
+    seeded = [(row, gen) for row, gen in enumerate(st.generators[:r])
+              if gen is not None and not st.greedy_host[row]]
+    free = [row for row in range(r) if st.generators[row] is None and not st.greedy_host[row]]
+    if free:
+        noise[free] = torch.empty(len(free), gamma, width, device=device).exponential_()
+    for row, gen in seeded:
+        noise[row] = seeded_exponentials(gen, gamma, drafter.config.vocab_size, device, columns)
+    return noise
+
+
+def _sample_draft(drafter: Drafter, logits: torch.Tensor, noise: torch.Tensor,
+                  st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V_draft], noise [R, V_draft] -> (drafts [R] target ids, q [R, V]). Greedy rows
+    take the argmax; the others sample from q = softmax(logits / T) exactly, as the first
+    maximum of q / E over the draft vocabulary (q is 0 elsewhere, and the draft ids list their
+    target ids in increasing order, so it is the maximum over V, ties included)."""
+    greedy = drafter.to_target_ids(logits.argmax(-1))
+    q = torch.softmax(drafter.scatter_to_target_vocab(logits) / st.temperature[:, None], dim=-1)
+    q_draft = q if not drafter.config.uses_draft_vocab else q.index_select(1, drafter.draft_to_target_index)
+    sampled = drafter.to_target_ids((q_draft / noise).argmax(-1))
     return torch.where(st.greedy, greedy, sampled), q

@@ -181,11 +181,21 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
     if free:
         noise[free] = torch.empty(len(free), shape[1], device=device).exponential_()
     for row, gen in seeded:
-        if gen.device == noise.device:
-            noise[row].exponential_(generator=gen)
-        else:
-            noise[row] = torch.empty(shape[1], device=gen.device).exponential_(generator=gen).to(device)
+        noise[row] = seeded_exponentials(gen, 1, shape[1], device)[0]
     return noise
+
+
+def seeded_exponentials(generator: torch.Generator, count: int, size: int, device: torch.device,
+                        columns: torch.Tensor | None = None) -> torch.Tensor:
+    """What `count` calls of `empty(size).exponential_(generator=generator)` return, bit for bit,
+    [count, size], or only `columns` of each row [count, C]. torch draws Exp(1) on the CPU as
+    -log1p(-U) of a double uniform U, serially: drawn as one block of uniforms, with the
+    logarithm vectorised and taken only where the caller looks, the same stream costs a fraction
+    (the per-element logarithm of `exponential_` dominated a seeded sampled draft round)."""
+    u = torch.rand((count, size), generator=generator, dtype=torch.float64, device=generator.device)
+    if columns is not None:
+        u = u.index_select(1, columns.to(u.device))
+    return (-torch.log1p(-u)).float().to(device)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -21,3 +21,22 @@ def test_each_prompt_runs_on_both_engines_before_the_next():
     assert calls == [("plain", 10), ("dspark", 10), ("plain", 20), ("dspark", 20), ("plain", 30), ("dspark", 30)]
     assert runs["plain"][0] == 9 and runs["dspark"][0] == 15
     assert runs["dspark"][2] == [[0, 1, 2, 3, 4]] * 3 and runs["plain"][1] > 0
+
+
+def test_spec_bench_over_temperatures(tmp_path, capsys):
+    import json
+    import types
+
+    from dspark.bench.spec import run_spec_bench
+    from tiny import save_random_drafter, save_tiny
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=3)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
+    args = types.SimpleNamespace(
+        model=str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", threads=None, data=None,
+        num_prompts=2, batch1_tokens=12, repetitions=2, temperatures="0,0.7",
+        prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5], [6, 7]], "code": [[7, 8, 9, 10]]})
+    run_spec_bench(args)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report) >= {"chat@0", "code@0", "chat@0.7", "code@0.7"}
+    assert report["chat@0"]["identical_output"] is True and report["code@0.7"]["identical_output"] is None
+    assert all(report[k]["tau"] >= 1.0 and report[k]["speedup"] > 0 for k in ("chat@0", "chat@0.7"))

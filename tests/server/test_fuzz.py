@@ -1,12 +1,13 @@
 """Property-based fuzzing of the HTTP API, driven by the server's own OpenAPI schema.
 
 Request bodies for each POST endpoint come from its request schema in four kinds: schema-valid
-bodies (numbers mixed with extremes), bodies whose every number is extreme (0, -1, 2**63, 2**64,
-1e308, ...), schema-valid bodies with one field replaced by arbitrary JSON or a required field
-dropped, and bodies where any field may have the wrong type; unknown fields are mixed into all of
-them. Bodies a real client would send (most of them run, some streamed) and arbitrary JSON are
-mixed in too. No answer may be a 5xx, nor may a stream carry an error event or end without
-`[DONE]`; afterwards the server is healthy and every KV block is free.
+bodies (numbers mixed with extremes, strings of any code points, lone surrogates included),
+bodies whose every number is extreme (0, -1, 2**63, 2**64, 1e308, ...), schema-valid bodies with
+one field replaced by arbitrary JSON or a required field dropped, and bodies where any field may
+have the wrong type; unknown fields are mixed into all of them. Bodies a real client would send
+(most of them run, some streamed) and arbitrary JSON are mixed in too. No answer may be a 5xx,
+nor may a stream carry an error event or end without `[DONE]`; afterwards the server is healthy
+and every KV block is free.
 
 Deterministic by default (the same cases every run); `DSPARK_FUZZ_SEED=<int>` draws other cases
 and `DSPARK_FUZZ_EXAMPLES=<n>` sets the cases per endpoint, for longer hunts."""
@@ -38,14 +39,17 @@ INTS = st.one_of(st.integers(-3, 40), st.sampled_from(EXTREME_INTS + [127, 128, 
 FLOATS = st.one_of(st.floats(-3, 3, allow_nan=False), st.sampled_from(EXTREME_FLOATS + [1e-6, 1.0, 2.0]))
 WORDS = st.lists(st.sampled_from(["w1", "w2", "w17", "user", ":", "<s>", "</s>", "<|end|>", "é", ""]),
                  max_size=6).map(" ".join)
-TEXT = st.one_of(WORDS, st.text(max_size=12))
+# any code point, lone surrogates too: JSON may escape them ("\ud800") and Python decodes them
+ODD_TEXT = ["\ud800", "w1 \udfff", "\x00", "w1\u2028w2", "\U0001f642", "   ", "\u0301", "w1" * 40]
+TEXT = st.one_of(WORDS, st.text(st.characters(exclude_categories=()), max_size=12), st.sampled_from(ODD_TEXT))
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), INTS, FLOATS, TEXT)
 ANY_JSON = st.recursive(JSON_SCALARS, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(TEXT, inner, max_size=3)), max_leaves=6)
 UNKNOWN = st.dictionaries(st.sampled_from(["frobnicate", "zz", "metadata", "x-extra", ""]), ANY_JSON,
                           max_size=2)
-FIELD_VALUES = {"model": st.sampled_from(["tiny", "tiny", "tiny", "other", ""]),
-                "role": st.sampled_from(["user", "assistant", "system", "user", "tool", "function", "x"])}
+FIELD_VALUES = {"model": st.sampled_from(["tiny", "tiny", "tiny", "tiny", "other", "", "x\udc80"]),
+                "role": st.sampled_from(["user", "assistant", "system", "user", "tool", "function",
+                                         "x\udc80"])}
 MISSING = object()
 
 
@@ -128,12 +132,13 @@ class SchemaStrategies:
 def plausible(path: str) -> st.SearchStrategy:
     """Bodies a real client would send, at the edges of each range: most of them run."""
     sampling = {"temperature": st.one_of(st.floats(0, 2), st.sampled_from([0, 1e-6, 1e308])),
-                "top_p": st.one_of(st.floats(0, 1), st.just(1)), "top_k": st.sampled_from([-1, 0, 1, 5, 128, 129]),
-                "min_p": st.floats(0, 1), "seed": INTS, "max_tokens": st.one_of(st.integers(1, 80), INTS),
+                "top_p": st.one_of(st.floats(0, 1), st.just(1)),
+                "top_k": st.sampled_from([-1, 0, 1, 5, 128, 129]), "min_p": st.floats(0, 1),
+                "seed": INTS, "max_tokens": st.one_of(st.integers(1, 80), INTS),
                 "stop": st.one_of(WORDS, st.lists(WORDS, max_size=3)), "stream": st.booleans(),
                 "stream_options": st.sampled_from([None, {"include_usage": True}, {"include_usage": False}]),
-                "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(), "n": st.sampled_from([1, None]),
-                "stop_token_ids": st.lists(st.integers(0, 130), max_size=3),
+                "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(),
+                "n": st.sampled_from([1, None]), "stop_token_ids": st.lists(st.integers(0, 130), max_size=3),
                 "repetition_penalty": st.sampled_from([1.0, None]), "user": TEXT}
     if path == "/tokenize":
         return st.fixed_dictionaries({"prompt": TEXT}, optional={"model": FIELD_VALUES["model"]})
@@ -147,7 +152,8 @@ def plausible(path: str) -> st.SearchStrategy:
                                      optional={**sampling, "max_completion_tokens": st.integers(1, 80)})
     prompt = st.one_of(WORDS, st.lists(st.integers(0, 130), min_size=1, max_size=8),
                        st.lists(WORDS, min_size=1, max_size=3),
-                       st.lists(st.lists(st.integers(0, 127), min_size=1, max_size=4), min_size=1, max_size=3))
+                       st.lists(st.lists(st.integers(0, 127), min_size=1, max_size=4), min_size=1,
+                                max_size=3))
     return st.fixed_dictionaries({"model": st.just("tiny"), "prompt": prompt}, optional=sampling)
 
 

@@ -11,6 +11,7 @@ import select
 import socket
 import threading
 import time
+import uuid
 
 import openai
 import pytest
@@ -124,12 +125,27 @@ def test_neutral_values_and_nulls_accepted(served, body):
 
 
 def test_unknown_fields_are_logged_once(served, caplog):
+    first, second = f"frob_{uuid.uuid4().hex[:8]}", f"zz_{uuid.uuid4().hex[:8]}"   # never seen before
     with caplog.at_level(logging.WARNING, logger="dspark.server.unsupported"):
         for _ in range(3):
-            assert post(served, "/v1/completions", completion(frobnicate=3, zz_top=[1]))[0] == 200
+            assert post(served, "/v1/completions", completion(**{first: 3, second: [1]}))[0] == 200
     logged = [r.getMessage() for r in caplog.records]
-    assert sum("'frobnicate'" in m for m in logged) == 1
-    assert sum("'zz_top'" in m for m in logged) == 1
+    assert sum(f"'{first}'" in m for m in logged) == 1
+    assert sum(f"'{second}'" in m for m in logged) == 1
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", completion(prompt="w1 \ud800"), "prompt"),
+    ("/v1/completions", completion(model="x\udc80"), "model"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "\ud800"}]), "messages"),
+    ("/v1/chat/completions", chat(messages=[{"role": "x\udc80", "content": "w1"}]), "messages"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+])
+def test_lone_surrogates_are_refused(served, path, body, param):
+    """JSON may escape a lone UTF-16 surrogate; no tokenizer or response can encode one."""
+    status, reply = post(served, path, body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert "lone UTF-16 surrogate" in reply["error"]["message"]
 
 
 def test_body_over_the_limit_is_413(served, client):
