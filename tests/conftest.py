@@ -27,3 +27,15 @@ def amx(request, monkeypatch):
     which this pins for the test (a CPU with AMX can run the vector path too)."""
     monkeypatch.setattr(cpu_kernels, "tiles_available", lambda: request.param)
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cost_models(tmp_path_factory):
+    """The cost models test engines measure go to the session's own folder, not the user's
+    cache (every tiny drafter is a new setup: each would leave a file there)."""
+    from dspark.engine import spec_setup
+    folder = tmp_path_factory.mktemp("dspark_cache")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(spec_setup, "cache_root", lambda: folder)
+    yield folder
+    patch.undo()

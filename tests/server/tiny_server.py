@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -147,7 +148,13 @@ def launched(code: str, *serve_args: str) -> Iterator[tuple[subprocess.Popen, st
     answers: (process, base url); killed afterwards if still running."""
     port = free_port()
     cmd = [sys.executable, "-c", code, "serve", *serve_args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with tempfile.TemporaryDirectory() as cache:            # its cost model is no user's
+        env = {**os.environ, "XDG_CACHE_HOME": cache}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        yield from _serving(proc, port)
+
+
+def _serving(proc: subprocess.Popen, port: int) -> Iterator[tuple[subprocess.Popen, str]]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:

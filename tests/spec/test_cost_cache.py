@@ -42,7 +42,9 @@ def test_measured_once_then_read_back(tmp_path, caplog):
 
 
 def test_engine_measures_its_cost_model_once(tmp_path_factory, target_dir, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+    from dspark.engine import spec_setup
+    folder = tmp_path_factory.mktemp("cache")
+    monkeypatch.setattr(spec_setup, "cache_root", lambda: folder)
     profiled = []
     real = Engine.profile
     monkeypatch.setattr(Engine, "profile", lambda self, cfg: profiled.append(cfg) or real(self, cfg))
@@ -57,6 +59,7 @@ def test_engine_measures_its_cost_model_once(tmp_path_factory, target_dir, monke
     assert len(profiled) == 3                                    # another shape to measure
     make_llm(target_dir, d4, cost_table="auto")
     assert len(profiled) == 4                                    # `auto`: measured now
+    assert len(list((folder / "cost_tables").glob("cost-*.json"))) == 3
 
 
 def test_seeded_sampling_keeps_its_text_under_any_plan(tmp_path_factory, target_dir):
