@@ -59,7 +59,7 @@ def test_greedy_lossless_under_any_budget(tmp_path_factory, target_dir, referenc
     if budget == 0:
         assert stats.accepted_tokens == 0
     if budget == 1000:          # never binding: exactly what verify-all verifies
-        full = make_llm(target_dir, d, max_num_batched_tokens=64)
+        full = make_llm(target_dir, d, max_num_batched_tokens=64, spec_schedule="verify-all")
         full.generate(prompts, params)
         assert stats.verified_tokens == full.engine.spec_stats.verified_tokens
 
