@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dspark.config import EngineConfig
 from dspark.engine.engine import Engine
-from dspark.sampling_params import ParamError, SamplingParams
+from dspark.sampling_params import SamplingParams
 from dspark.server.async_engine import (AsyncEngine, EngineNotRunning, QueueFull, RequestFailed,
                                          RequestStream, ServerShuttingDown)
 from dspark.server.errors import APIError, install_error_handlers
@@ -39,8 +39,8 @@ from dspark.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoic
                                     CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
                                     ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from dspark.server.serving import (SHUTTING_DOWN, ChunkBuilder, chat_prompt, check_chat, check_completion,
-                                   checked_prompt, collect, completion_prompts, sampling_params, spec_info,
-                                   stream_sse, usage)
+                                   checked_prompt, collect, completion_prompts, refusal, sampling_params,
+                                   spec_info, stream_sse, usage)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -141,10 +141,8 @@ class ServerState:
 def _as_api_error(exc: BaseException, prompt_param: str) -> BaseException:
     if isinstance(exc, QueueFull):
         return APIError(429, str(exc), code="queue_full")
-    if isinstance(exc, ParamError):
-        return APIError(400, str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, (ValueError, TypeError)):
-        return APIError(400, str(exc), param=prompt_param, code="invalid_prompt")
+        return refusal(exc, prompt_param)
     if isinstance(exc, RequestFailed):
         return APIError(500, str(exc), code="engine_error")
     if isinstance(exc, ServerShuttingDown):

@@ -111,10 +111,16 @@ def checked_prompt(check: Callable, prompt: str | list[int], params: SamplingPar
     naming what is wrong: tokenized here, off the engine thread and before admission."""
     try:
         return check(prompt, params)[1]
-    except ParamError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
     except (ValueError, TypeError) as exc:
-        raise APIError(400, str(exc), param=param, code="invalid_prompt") from exc
+        raise refusal(exc, param) from exc
+
+
+def refusal(exc: ValueError | TypeError, prompt_param: str) -> APIError:
+    """The 400 for a request the engine refuses: a sampling parameter names itself, anything
+    else is the prompt's (`prompt_param`)."""
+    if isinstance(exc, ParamError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    return APIError(400, str(exc), param=prompt_param, code="invalid_prompt")
 
 
 # ---- outputs ----------------------------------------------------------------------------------
