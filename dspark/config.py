@@ -81,8 +81,6 @@ class SpecConfig:
                                          # at start-up; or a `dspark profile` JSON
     min_gain: float = 0.05               # trim only for at least this predicted gain in tokens/ms
     confidence_lag: int = 2              # the budget uses confidences from this many rounds back
-    probe_interval: int = 16             # a request left undrafted this many steps drafts again
-    cost_correction: bool = True         # price plans by measured step times, not the table alone
 
     def resolve_embedded(self, model: str | None) -> None:
         """"embedded" names the shipped drafter (and its calibration) of the embedded target;
@@ -122,9 +120,9 @@ class SpecConfig:
             return
         if self.cost_table not in (None, "auto") and not os.path.exists(self.cost_table):
             raise FileNotFoundError(f"cost table {self.cost_table!r} does not exist")
-        if not self.min_gain >= 0 or self.confidence_lag < 1 or self.probe_interval < 1:
-            raise ValueError(f"min_gain must be >= 0, confidence_lag and probe_interval >= 1, got "
-                             f"{self.min_gain}, {self.confidence_lag} and {self.probe_interval}")
+        if not self.min_gain >= 0 or self.confidence_lag < 1:
+            raise ValueError(f"min_gain must be >= 0 and confidence_lag >= 1, got "
+                             f"{self.min_gain} and {self.confidence_lag}")
 
 
 @dataclass

@@ -36,6 +36,7 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     undrafted_steps: int = 0       # decode steps the confidence planner ran without drafting
+    predicted_accepted_tokens: float = 0.0   # drafts the policy expected to be accepted (engine-wide)
 
     @classmethod
     def total(cls, stats) -> "SpecStats":
@@ -49,6 +50,7 @@ class SpecStats:
             out.verified_tokens += s.verified_tokens
             out.accepted_tokens += s.accepted_tokens
             out.undrafted_steps += s.undrafted_steps
+            out.predicted_accepted_tokens += s.predicted_accepted_tokens
             for i, a in enumerate(s.accepted_per_position):
                 out.accepted_per_position[i] += a
         return out

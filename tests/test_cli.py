@@ -36,7 +36,7 @@ def test_serve_flags_reach_the_scheduler_config():
     from dspark.server.launch import add_serve_args, engine_config_from_args
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    assert engine_config_from_args(parser.parse_args([])).spec.cost_correction is True
-    args = parser.parse_args(["--no-cost-correction", "--probe-interval", "8"])
+    assert engine_config_from_args(parser.parse_args([])).spec.confidence_lag == 2
+    args = parser.parse_args(["--confidence-lag", "1", "--min-gain", "0.2"])
     spec = engine_config_from_args(args).spec
-    assert spec.cost_correction is False and spec.probe_interval == 8
+    assert spec.confidence_lag == 1 and spec.min_gain == 0.2

@@ -44,8 +44,7 @@ def _engines(args, max_seqs: int) -> dict:
     if engines["verify-all"].engine.drafter is None:
         raise SystemExit("bench --mode sweep compares against a drafter: pass --drafter for this model")
     engines["default"] = LLM(args.model, drafter=args.drafter, cost_table=args.cost_table,
-                             min_gain=args.min_gain,
-                             cost_correction=not getattr(args, "no_cost_correction", False), **common)
+                             min_gain=args.min_gain, **common)
     return engines
 
 

@@ -18,7 +18,7 @@ from dspark.engine.isolation import FailureIsolation
 from dspark.engine.output_processor import OutputProcessor
 from dspark.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dspark.engine.sequence import Sequence
-from dspark.engine.spec_setup import confidence_scheduler, cost_fingerprint, load_sts
+from dspark.engine.spec_setup import cost_fingerprint, load_sts, spec_policy
 from dspark.models.fused_stack import fuse_draft_blocks, fuse_small_steps
 from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
@@ -92,7 +92,8 @@ class Engine:
                              max_num_seqs=config.scheduler.max_num_seqs)
         self.spec_stats = SpecStats(accepted_per_position=[0] * gamma)
         self.sts = load_sts(config, self.drafter, gamma)
-        self.confidence_scheduler = self._confidence_scheduler(gamma)
+        self.policy = self._spec_policy(gamma)
+        self.scheduler.policy = self.policy
         # (raw confidence logits z_1..z_γ, accepted drafts) of verify-all rounds, when recording
         self.confidence_records: list[tuple[list[float], int]] | None = None
         eos = set(loaded.config.eos_token_ids)
@@ -147,14 +148,14 @@ class Engine:
             g.stats = stats
         return table
 
-    def _confidence_scheduler(self, gamma: int):
-        """The verify-budget planner (spec_setup.py), with the STS applied on the device too."""
-        planner = confidence_scheduler(self.config, self.drafter, gamma, self.sts, self.max_model_len,
-                                       self.cost_fingerprint(), self.profile)
-        if planner is not None and self.sts is not None:
+    def _spec_policy(self, gamma: int):
+        """The speculation policy (spec_setup.py), with the STS applied on the device too."""
+        policy = spec_policy(self.config, self.drafter, gamma, self.sts, self.max_model_len,
+                             self.cost_fingerprint(), self.profile)
+        if policy is not None and self.sts is not None:
             self.worker.sts_temperatures = torch.tensor(self.sts.temperatures, device=self.device)
             self.worker.sts_offsets = torch.tensor(self.sts.offset_list(), device=self.device)
-        return planner
+        return policy
 
     def reset_spec_stats(self) -> None:
         self.spec_stats = SpecStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))
@@ -276,21 +277,15 @@ class Engine:
         """Schedule and plan the next step without running it (None: nothing to run); `only`:
         that running request alone. Data parallel ranks agree on the shapes of their prepared
         steps before running them."""
-        plans = []
-
-        def plan_running(running: list[ScheduledRequest], joining_tokens: int) -> None:
-            plan = self.confidence_scheduler.plan(running, joining_tokens)
-            if plan is not None:
-                self._leave_undrafted(running, plan.drafted)
-            plans.append(plan)
-
-        sched = self.scheduler.schedule(plan_running if self.confidence_scheduler is not None else None,
-                                        only=only)
+        sched = self.scheduler.schedule(only=only)
         if sched.is_empty:
             return None
-        plan = plans[0] if plans else None
         batch = self._worker_batch(sched)
-        batch.verify_budget = None if plan is None else plan.budget
+        plan = sched.plan
+        if plan is not None:
+            batch.verify_budget = plan.budget
+            self.spec_stats.undrafted_steps += plan.drafted.count(False)
+            self.spec_stats.predicted_accepted_tokens += plan.predicted_accepted
         return PreparedStep(sched, batch)
 
     def run_step(self, prepared: PreparedStep, key: StepKey | None = None) -> list[RequestOutput]:
@@ -298,26 +293,7 @@ class Engine:
         return self._commit(prepared.sched, self._execute(prepared, key))
 
     def _execute(self, prepared: PreparedStep, key: StepKey | None = None) -> StepResult:
-        began = time.perf_counter()
-        result = self.worker.execute(prepared.batch, key)       # ends in the step's one host copy
-        if self.confidence_scheduler is not None:
-            _, tokens, draft_requests, _ = self.worker.step_shape(prepared.batch)
-            taken = (time.perf_counter() - began) * 1e3 - self.worker.flush_ms
-            self.confidence_scheduler.observe_step(tokens, draft_requests, taken)
-        return result
-
-    def _leave_undrafted(self, scheduled: list[ScheduledRequest], drafted: list[bool]) -> None:
-        """Speculative requests the planner left out of the drafter pass decode one plain token;
-        the blocks and step tokens reserved for their drafts go back at once (the tokens to the
-        waiting requests' prefill, see Scheduler.schedule)."""
-        spec = [s for s in scheduled if s.spec]
-        for s, keep in zip(spec, drafted):
-            if keep:
-                continue
-            s.spec, s.verify_len, s.num_new_tokens = False, 0, 1
-            self.block_manager.truncate(s.seq.block_table, s.seq.num_computed_tokens + 1)
-            s.seq.spec.undrafted_steps += 1
-            self.spec_stats.undrafted_steps += 1
+        return self.worker.execute(prepared.batch, key)       # ends in the step's one host copy
 
     def _worker_batch(self, sched: SchedulerOutput) -> WorkerBatch:
         chunks, params, gens, spec, request_ids = [], [], [], [], []
@@ -373,8 +349,8 @@ class Engine:
     def _record_confidence(self, seq: Sequence, z: list[float], verified: int, accepted: int) -> None:
         """For the budget planner (every round) and calibration (rounds that verified the whole
         block: only they give a label for every position)."""
-        if self.confidence_scheduler is not None:
-            self.confidence_scheduler.record(seq, z, verified, accepted)
+        if self.policy is not None:
+            self.policy.record(seq.request_id, z, verified, accepted)
         if self.confidence_records is not None and verified == self.drafter.config.block_size:
             self.confidence_records.append((z, accepted))
 

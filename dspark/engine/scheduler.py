@@ -12,12 +12,13 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dspark.config import SchedulerConfig
 from dspark.engine.block_manager import BlockManager
 from dspark.engine.sequence import Sequence, SequenceStatus
+from dspark.spec.planner import StepPlan
+from dspark.spec.policy import Candidate, SpecPolicy, StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    plan: StepPlan | None = None   # the speculation policy's plan (None: every draft verified)
 
     @property
     def num_tokens(self) -> int:
@@ -47,7 +49,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 num_spec_tokens: int = 0):
+                 num_spec_tokens: int = 0, policy: SpecPolicy | None = None):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -55,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.policy = policy                        # None: every speculative request verifies all
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -63,15 +66,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, plan_running: Callable[[list[ScheduledRequest], int], None] | None = None,
-                 only: Sequence | None = None) -> SchedulerOutput:
+    def schedule(self, only: Sequence | None = None) -> SchedulerOutput:
         """Running requests first (decode, speculative blocks, prefill chunks), then waiting ones
-        with the token budget left. `plan_running` sees the running requests' items before any
-        waiting request is admitted and may shrink them (a speculative block the verify planner
-        leaves undrafted becomes one plain token), so the tokens it gives back go to prefill. It
-        also gets the prompt tokens the waiting requests would add were nothing drafted: the
-        step the planner prices drafts on. `only`: that running request alone, nothing admitted
-        (the engine runs the requests of a failed step one at a time)."""
+        with the token budget left. The speculation policy sees the running requests before any
+        waiting request is admitted; a speculative block it leaves undrafted becomes one plain
+        token, so the tokens it gives back go to prefill. `only`: that running request alone,
+        nothing admitted (the engine runs the requests of a failed step one at a time)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         for seq in list(self.running) if only is None else [only]:
@@ -84,13 +84,28 @@ class Scheduler:
                 continue
             out.scheduled.append(item)
             budget -= item.num_new_tokens
-        if plan_running is not None and out.scheduled:
-            plain = sum(1 if s.spec else s.num_new_tokens for s in out.scheduled)
-            plan_running(out.scheduled, self._joining_tokens(self.config.max_num_batched_tokens - plain))
+        if self.policy is not None and any(s.spec for s in out.scheduled):
+            out.plan = self._plan_speculation(out.scheduled)
             budget = self.config.max_num_batched_tokens - out.num_tokens
         if only is None:
             self._admit_waiting(out, budget)
         return out
+
+    def _plan_speculation(self, scheduled: list[ScheduledRequest]) -> StepPlan:
+        """Ask the policy which speculative requests draft; the others decode one plain token and
+        the blocks reserved for their drafts go back at once. The policy also gets the prompt
+        tokens the waiting requests would add were nothing drafted: the step it prices drafts on."""
+        spec = [s for s in scheduled if s.spec]
+        plain = sum(1 if s.spec else s.num_new_tokens for s in scheduled)
+        step = StepContext(other_tokens=plain, num_sampling=sum(1 for s in scheduled if s.sample),
+                           joining_tokens=self._joining_tokens(self.config.max_num_batched_tokens - plain))
+        plan = self.policy.plan([Candidate(s.seq.request_id, s.verify_len, _pinned(s.seq)) for s in spec], step)
+        for s, drafted in zip(spec, plan.drafted):
+            if not drafted:
+                s.spec, s.verify_len, s.num_new_tokens = False, 0, 1
+                self.block_manager.truncate(s.seq.block_table, s.seq.num_computed_tokens + 1)
+                s.seq.spec.undrafted_steps += 1
+        return plan
 
     def _joining_tokens(self, budget: int) -> int:
         """The prompt tokens the waiting requests would bring with `budget` tokens left (sequence
@@ -154,4 +169,12 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if self.policy is not None:
+            self.policy.forget(seq.request_id)
         seq.metrics.finished_time = time.perf_counter()
+
+
+def _pinned(seq: Sequence) -> bool:
+    """Seeded sampling: its text must be a function of its seed, so its plan is fixed
+    (SpecPolicy._pin_seeded)."""
+    return seq.generator is not None and not seq.params.greedy

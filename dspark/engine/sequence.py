@@ -32,10 +32,6 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         self.spec = SpecStats()
-        self.survival_history: list = []                   # numpy [γ] STS survivals of recent rounds
-        self.steps_without_draft = 0                       # decode steps the planner left undrafted
-        self.probe_backoff = 1                             # x the probe interval (doubles per futile probe)
-        self.planned_survival = None                       # numpy [γ]: the planner's price of its round
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -1,5 +1,5 @@
 """What a speculative engine settles before it serves: the fingerprint a cost table must match,
-the STS calibration, and the confidence scheduler with its table checked or measured. All of it
+the STS calibration, and the speculation policy with its cost table checked or measured. All of it
 is start-up work, so a misconfiguration is an error before the first request, not during one."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from dspark.config import EngineConfig, cache_root
-from dspark.engine.spec_schedule import ConfidenceScheduler
 from dspark.models.drafter import Drafter
 from dspark.spec.planner import CostTable
+from dspark.spec.policy import SpecPolicy
 from dspark.spec.sts import STSCalibration
 from dspark.worker.graphs import StepGraphs
 from dspark.worker.profile import ProfileConfig
@@ -47,10 +47,10 @@ def load_sts(config: EngineConfig, drafter: Drafter | None, gamma: int) -> STSCa
     return sts
 
 
-def confidence_scheduler(config: EngineConfig, drafter: Drafter | None, gamma: int,
-                         sts: STSCalibration | None, max_model_len: int, fingerprint: dict,
-                         profile: Callable[[ProfileConfig], CostTable]) -> ConfidenceScheduler | None:
-    """The verify-budget planner with its cost table: a given file (checked against
+def spec_policy(config: EngineConfig, drafter: Drafter | None, gamma: int,
+                sts: STSCalibration | None, max_model_len: int, fingerprint: dict,
+                profile: Callable[[ProfileConfig], CostTable]) -> SpecPolicy | None:
+    """The speculation policy with its cost table: a given file (checked against
     `fingerprint`), measured now by `profile` (`auto`), or by default measured once per setup and
     cached; None without a drafter or with verify-all."""
     spec = config.spec
@@ -70,8 +70,7 @@ def confidence_scheduler(config: EngineConfig, drafter: Drafter | None, gamma: i
     else:
         table = CostTable.load(spec.cost_table)
         table.check_fingerprint(fingerprint)
-    return ConfidenceScheduler(table, sts, gamma, spec.confidence_lag, spec.min_gain,
-                               spec.probe_interval, cost_correction=spec.cost_correction)
+    return SpecPolicy(table, sts, gamma, spec.confidence_lag, spec.min_gain)
 
 
 def _profile_config(config: EngineConfig, gamma: int, max_model_len: int) -> ProfileConfig:

@@ -52,10 +52,6 @@ ENGINE_ARGS: list[tuple[str, dict]] = [
     ("--min-gain", dict(type=float, default=0.05,
                         help="trim verification only for this predicted gain in tokens/s")),
     ("--confidence-lag", dict(type=int, default=2, help="rounds between a confidence and its use")),
-    ("--probe-interval", dict(type=int, default=16, help="a request the planner left undrafted this "
-                                                         "many steps drafts again")),
-    ("--no-cost-correction", dict(action="store_true", help="price plans by the cost table alone, "
-                                  "not corrected by the step times measured while serving")),
 ]
 
 
@@ -122,8 +118,6 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
                         cost_table=getattr(args, "cost_table", None),
                         min_gain=getattr(args, "min_gain", 0.05),
                         confidence_lag=getattr(args, "confidence_lag", 2),
-                        probe_interval=getattr(args, "probe_interval", 16),
-                        cost_correction=not getattr(args, "no_cost_correction", False),
                         data_parallel_size=getattr(args, "dp", 1),
                         dp_timeout_s=getattr(args, "dp_timeout", 30.0))
 

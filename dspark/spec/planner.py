@@ -25,8 +25,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from dspark.spec.cost_correction import CostScale
-
 MEMO_ENTRIES = 256        # remembered results per cost list (a step's shapes repeat under steady load)
 
 @dataclass
@@ -128,6 +126,7 @@ class StepPlan:
     drafted: list[bool]     # per speculative request: draft a block (False: a plain decode row)
     budget: int             # drafts verified in total, over the drafted requests
     full: int               # R·γ: every draft of every request
+    predicted_accepted: float = 0.0   # drafts the policy expects the target to accept
 
     @property
     def verify_all(self) -> bool:
@@ -136,8 +135,7 @@ class StepPlan:
 
 def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_sampling: int, other_tokens: int,
               min_gain: float = 0.05, forced: list[bool] | None = None,
-              cost_scale: CostScale | None = None, prefer_verify_all: bool = True,
-              joining_tokens: int = 0) -> StepPlan:
+              prefer_verify_all: bool = True, joining_tokens: int = 0) -> StepPlan:
     """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan.
 
     Besides the budget, the plan picks which requests draft at all: a drafter pass has a cost of
@@ -149,11 +147,9 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     `other_tokens` are the step's tokens besides drafts (anchor rows and prefill chunks). The
     result is verify-all (every request drafts, R·γ verified) unless the plan is predicted to gain
     at least `min_gain` in tokens per millisecond (with `prefer_verify_all` off, the best plan
-    stands on its own, as when judging whether a probe could pay); likewise a plan that drafts is
-    preferred to drafting nothing only when it gains `min_gain` over it. Steps larger than the
-    table are priced along its last measured slope. `cost_scale`, when given, multiplies each plan's predicted
-    cost by what steps of its kind and size took lately over what the table said
-    (`CostCorrection.scale`).
+    stands on its own); likewise a plan that drafts is preferred to drafting nothing only when it
+    gains `min_gain` over it. Steps larger than the table are priced along its last measured
+    slope.
 
     `joining_tokens` of prefill join the step whatever is drafted. Drafts are priced at what they
     add on top of them (often nothing past the drafter pass: the prefill's bucket has room), but
@@ -170,18 +166,17 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
     must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
     verify = _verify_on_top(table, other_tokens, joining_tokens, full)                     # [B]
-    drafted_scale = np.ones(full + 1) if cost_scale is None else np.asarray(cost_scale.drafted, np.float64)
-    plain_rate = num_sampling / (verify[0] * (1.0 if cost_scale is None else cost_scale.plain))
-    full_rate = (num_sampling + s.sum()) / ((table.draft_costs([r_all])[0] + verify[full]) * drafted_scale[full])
+    plain_rate = num_sampling / verify[0]
+    full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + verify[full])
     free = not must.any()                                  # no forced draft: the bound applies
-    bound = _drafting_bound(s, table, num_sampling, verify, drafted_scale) if free else 0.0
+    bound = _drafting_bound(s, table, num_sampling, verify) if free else 0.0
     if prefer_verify_all and free and max(bound, plain_rate) < (1.0 + min_gain) * full_rate:
         return StepPlan(drafted=[True] * r_all, budget=full, full=full)    # nothing beats it enough
     if free and bound < (1.0 + min_gain) * plain_rate:
         rank, size, budget, best_rate = np.zeros(r_all, dtype=np.int64), 0, 0, plain_rate
     else:
-        rank, size, budget, best_rate = _best_set(s, must, table, num_sampling, verify, drafted_scale,
-                                                  plain_rate, min_gain)
+        rank, size, budget, best_rate = _best_set(s, must, table, num_sampling, verify, plain_rate,
+                                                  min_gain)
     if prefer_verify_all and not (best_rate > full_rate and best_rate >= (1.0 + min_gain) * full_rate):
         size, budget = r_all, full
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
@@ -197,8 +192,7 @@ def _verify_on_top(table: CostTable, other_tokens: int, joining_tokens: int, ful
     return joined - joined[0] + table.verify_costs(other_tokens, other_tokens + 1)[0]
 
 
-def _drafting_bound(s: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,
-                    drafted_scale: np.ndarray) -> float:
+def _drafting_bound(s: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray) -> float:
     """An upper bound on the tokens/ms of every draft set and budget at once: b verified drafts
     yield at most the b best survivals of any request and cost at least a drafter pass over the
     fewest requests that hold b slots. Under load most steps stay below drafting's threshold by
@@ -208,16 +202,17 @@ def _drafting_bound(s: np.ndarray, table: CostTable, num_sampling: int, verify: 
         return np.inf
     gamma = s.shape[1]
     slots = np.arange(s.size + 1)
-    cost = (table.draft_costs(np.maximum(1, -(-slots // gamma))) + verify) * drafted_scale      # [B]
+    cost = table.draft_costs(np.maximum(1, -(-slots // gamma))) + verify                  # [B]
     yield_ = num_sampling + np.concatenate([[0.0], np.cumsum(np.sort(s, axis=None)[::-1])])     # [B]
     return float((yield_ / cost).max())
 
 
 def _best_set(s: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,
-              drafted_scale: np.ndarray, plain_rate: float, min_gain: float
-              ) -> tuple[np.ndarray, int, int, float]:
+              plain_rate: float, min_gain: float) -> tuple[np.ndarray, int, int, float]:
     """Every candidate draft set with its best budget: (rank of each request, set size, budget,
-    rate) of the best, drafting nothing unless drafting beats a plain step by `min_gain`."""
+    rate) of the best, drafting nothing unless drafting beats a plain step by `min_gain`. A set
+    verifies at least one draft per member it chose (not forced): a request drafted for nothing
+    is a plain row that also paid for a drafter pass."""
     r_all, gamma = s.shape
     full = r_all * gamma
     key = np.where(must, np.inf, s.sum(1))
@@ -227,11 +222,13 @@ def _best_set(s: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: i
     sizes = np.arange(int(must.sum()), r_all + 1)                              # [C] draft-set sizes
     gain = num_sampling + _set_prefix_sums(s, rank, sizes)                     # [C, B]
     draft = table.draft_costs(sizes)                                                      # [C]
-    cost = (draft[:, None] + verify[None, :]) * drafted_scale[None, :]         # [C, B]
+    cost = draft[:, None] + verify[None, :]                                     # [C, B]
     rate = gain / cost                                                          # [C, B]
     if sizes[0] == 0:
         rate[0, 0] = plain_rate                                                # no drafter pass
-    rate[np.arange(full + 1)[None, :] > sizes[:, None] * gamma] = -np.inf       # undrafted slots
+    budgets = np.arange(full + 1)[None, :]
+    chosen = sizes[:, None] - int(must.sum())
+    rate[(budgets > sizes[:, None] * gamma) | (budgets < chosen)] = -np.inf
     best = int(rate.argmax())                                                  # first maximum
     size, budget = int(sizes[best // (full + 1)]), best % (full + 1)
     best_rate = float(rate.flat[best])

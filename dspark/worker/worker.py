@@ -8,7 +8,6 @@ the block's input rows on the device, so drafting, verification and acceptance n
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +74,6 @@ class Worker:
         self.draft_kv = None
         self.draft_graphs: DraftGraphs | None = None          # None: the draft step runs unpadded
         self.deferred = DeferredContext(num_blocks, block_size, device)   # rows of undrafted steps
-        self.flush_ms = 0.0                                   # the last step's appends of held rows
         if drafter is not None:
             self.draft_kv = allocate_kv_cache(drafter.config, num_blocks, block_size, dtype, device)
             if graphs is not None:                            # the draft step in the target's mode
@@ -88,7 +86,6 @@ class Worker:
         """Run one step; `key` (a data-parallel group's agreement) fixes its graph buckets."""
         if self.drafter is not None:
             self.deferred.release(batch.released_blocks)
-        self.flush_ms = 0.0
         inputs = build_inputs(batch.chunks, self.block_size, self.device, self.config.sliding_window)
         sampling = [c for c in batch.chunks if c.num_logits > 0]
         st = SamplingTensors.build(batch.params, batch.generators, self.config.vocab_size, self.device)
@@ -96,7 +93,7 @@ class Worker:
         proposal = lens = logits_keep = None
         num_logits = inputs.logits_indices.shape[0]
         if spec_idx:
-            self._timed(self.deferred.flush)                       # the drafter reads all context
+            self.deferred.flush(self.drafter, self.draft_kv)                       # the drafter reads all context
             ids = [batch.request_ids[i] for i in spec_idx] if batch.request_ids is not None else None
             proposal = self._draft(sampling, spec_idx, st, ids, key)
             self._place_drafts(inputs, batch.chunks, spec_idx, proposal.tokens)
@@ -120,19 +117,12 @@ class Worker:
         args = (aux_hidden, inputs.positions, attn.write_rows, attn.write_slots)
         if not drafted:
             if not self.deferred.fits(aux_hidden, attn.write_rows):
-                self._timed(self.deferred.make_room)
+                self.deferred.make_room(self.drafter, self.draft_kv)
             if self.deferred.fits(aux_hidden, attn.write_rows):
                 self.deferred.hold(*args)
                 return
-            self._timed(self.deferred.flush)                     # held rows go first
+            self.deferred.flush(self.drafter, self.draft_kv)                     # held rows go first
         append_context(self.drafter, self.draft_kv, *args)
-
-    def _timed(self, append) -> None:
-        """Append held rows (`DeferredContext.flush` or `make_room`), timed: the step that happens
-        to append them pays for earlier steps, which is no cost of its own (`flush_ms`)."""
-        began = time.perf_counter()
-        append(self.drafter, self.draft_kv)
-        self.flush_ms += (time.perf_counter() - began) * 1e3
 
     def sync_draft_context(self) -> None:
         """Append the held context rows now (the drafter's cache as a drafting step would see it)."""

@@ -1,11 +1,28 @@
-"""The verify planner sees the running requests before prefill is admitted, so the step tokens
-it takes back from undrafted speculative blocks go to waiting requests' prefill."""
+"""The speculation policy sees the running requests before prefill is admitted, so the step
+tokens it takes back from undrafted speculative blocks go to waiting requests' prefill."""
 
 from dspark.config import SchedulerConfig
 from dspark.engine.block_manager import BlockManager
 from dspark.engine.scheduler import Scheduler
 from dspark.engine.sequence import Sequence, SequenceStatus
 from dspark.sampling_params import SamplingParams
+from dspark.spec.planner import StepPlan
+
+
+class Recording:
+    """Stands in for the policy: records what it is asked, leaves every request undrafted
+    (`undraft`) or drafted."""
+
+    def __init__(self, undraft: bool):
+        self.undraft, self.seen = undraft, []
+
+    def plan(self, candidates, step):
+        self.seen.append(([(c.request_id, c.verify_cap) for c in candidates], step.joining_tokens))
+        return StepPlan(drafted=[not self.undraft] * len(candidates), budget=0,
+                        full=GAMMA * len(candidates))
+
+    def forget(self, request_id):
+        pass
 
 GAMMA, BUDGET = 4, 16
 
@@ -32,25 +49,20 @@ def scheduler_with(running: list[Sequence], waiting: Sequence) -> Scheduler:
 
 def test_undrafted_blocks_give_their_tokens_to_prefill():
     prompt = list(range(100))
-    for plan, prefill in ((None, BUDGET - 2 * (1 + GAMMA)), ("undraft", BUDGET - 2)):
+    for undraft, prefill in ((False, BUDGET - 2 * (1 + GAMMA)), (True, BUDGET - 2)):
         running = [decoding("a"), decoding("b")]
-        seen = []
-
-        def undraft(items, joining):
-            seen.append([(s.seq.request_id, s.spec, s.num_new_tokens) for s in items])
-            seen.append(joining)
-            for s in items:
-                s.spec, s.verify_len, s.num_new_tokens = False, 0, 1
-
         sched = scheduler_with(running, Sequence("new", prompt, SamplingParams()))
-        out = sched.schedule(undraft if plan else None)
+        sched.policy = Recording(undraft)
+        out = sched.schedule()
         chunks = {s.seq.request_id: s.num_new_tokens for s in out.scheduled}
         assert chunks["new"] == prefill and out.num_tokens == BUDGET
-        if plan:     # the planner saw only the running blocks, at their full reservation
-            # ... and the prefill that would join the step were nothing drafted: what then joined it
-            assert seen == [[("a", True, 1 + GAMMA), ("b", True, 1 + GAMMA)],
-                            prefill]
+        # the policy saw only the running blocks, at their full reservation, and the prefill
+        # that would join the step were nothing drafted
+        assert sched.policy.seen == [([("a", GAMMA), ("b", GAMMA)], BUDGET - 2)]
+        assert out.plan.drafted == [not undraft] * 2
+        if undraft:
             assert chunks["a"] == chunks["b"] == 1
+            assert running[0].spec.undrafted_steps == 1
 
 
 def test_the_joining_prefill_counts_free_slots_and_the_budget_left():
@@ -60,9 +72,9 @@ def test_the_joining_prefill_counts_free_slots_and_the_budget_left():
         sched.add(Sequence("long", list(range(40)), SamplingParams()))
         sched.add(Sequence("third", [8, 9], SamplingParams()))
         sched.config.max_num_seqs, sched.config.max_num_batched_tokens = max_num_seqs, step_tokens
-        seen = []
-        sched.schedule(lambda items, joining_tokens: seen.append(joining_tokens))
-        return seen[0]
+        sched.policy = Recording(undraft=False)
+        sched.schedule()
+        return sched.policy.seen[0][1]
     assert joining(4, BUDGET) == BUDGET - 2             # two free slots, the budget left binds
     assert joining(4, 64) == 3 + 40                     # two free slots: "third" cannot join
     assert joining(8, 64) == 3 + 40 + 2

@@ -49,7 +49,7 @@ def test_engine_measures_its_cost_model_once(tmp_path_factory, target_dir, monke
     real = Engine.profile
     monkeypatch.setattr(Engine, "profile", lambda self, cfg: profiled.append(cfg) or real(self, cfg))
     d4 = drafter(tmp_path_factory, target_dir, gamma=4)
-    assert make_llm(target_dir, d4).engine.confidence_scheduler is not None
+    assert make_llm(target_dir, d4).engine.policy is not None
     assert len(profiled) == 1
     make_llm(target_dir, d4)
     assert len(profiled) == 1                                    # read back
@@ -75,7 +75,7 @@ def test_seeded_sampling_keeps_its_text_under_any_plan(tmp_path_factory, target_
         path = str(tmp_path_factory.mktemp("cost") / "cost.json")
         CostTable(fingerprint=fp, verify_ms=[0.0] + [1.0 + 10.0 * t for t in range(1, 65)],
                   draft_ms=[0.0] + [draft_ms] * 16).save(path)
-        llm = make_llm(target_dir, d, cost_table=path, cost_correction=False, max_num_seqs=16)
+        llm = make_llm(target_dir, d, cost_table=path, max_num_seqs=16)
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
         stats, full = llm.engine.spec_stats, verify_all.engine.spec_stats
         assert stats.undrafted_steps == 0 and stats.verified_tokens == full.verified_tokens
@@ -89,7 +89,7 @@ def test_a_steep_table_never_calls_the_drafter_and_a_flat_one_verifies_all(
     path = str(tmp_path_factory.mktemp("cost") / "cost.json")
     CostTable(fingerprint=probe.engine.cost_fingerprint(), verify_ms=[0.0] + [10.0] * 64,
               draft_ms=[0.0] + [draft_ms * r for r in range(1, 17)]).save(path)
-    llm = make_llm(target_dir, d, cost_table=path, cost_correction=False, max_num_seqs=16)
+    llm = make_llm(target_dir, d, cost_table=path, max_num_seqs=16)
     worker, calls = llm.engine.worker, []
     real = worker._draft
     worker._draft = lambda *a, **k: calls.append(1) or real(*a, **k)

@@ -218,9 +218,9 @@ def test_the_bound_that_skips_pricing_draft_sets_never_hides_a_plan_that_pays(ki
             s = (survivals(r, gamma, seed) * strength).numpy().astype(np.float64)
             verify = t.verify_costs(r, r + r * gamma + 1)
             ones, plain = np.ones(r * gamma + 1), r / float(verify[0])
-            bound = _drafting_bound(s, t, r, verify, ones)
+            bound = _drafting_bound(s, t, r, verify)
             skip = bound < (1 + min_gain) * plain
-            _, size, _, rate = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, ones, plain, min_gain)
+            _, size, _, rate = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, plain, min_gain)
             assert size == 0 or not skip
             assert size == 0 or rate <= bound * (1 + 1e-12)
             skipped.append(skip)
@@ -244,13 +244,13 @@ def test_verify_all_decided_by_the_bound_is_what_pricing_every_set_decides(kind)
                 verify = t.verify_costs(r, r + full + 1)
                 ones, plain = np.ones(full + 1), r / float(verify[0])
                 full_rate = (r + s.sum()) / (t.draft_costs([r])[0] + verify[full])
-                _, size, budget, rate = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, ones, plain,
+                _, size, budget, rate = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, plain,
                                                   min_gain)
                 keep_all = not (rate > full_rate and rate >= (1 + min_gain) * full_rate)
                 plan = plan_step(s, t, num_sampling=r, other_tokens=r, min_gain=min_gain)
                 assert plan.verify_all == keep_all
                 assert plan.budget == (full if keep_all else budget)
-                shortcut += max(_drafting_bound(s, t, r, verify, ones), plain) < (1 + min_gain) * full_rate
+                shortcut += max(_drafting_bound(s, t, r, verify), plain) < (1 + min_gain) * full_rate
     assert shortcut > 0
 
 

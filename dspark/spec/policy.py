@@ -1,0 +1,218 @@
+"""The speculation policy: which requests draft each step and how many drafts are verified.
+
+One object owns the decision. Inputs: each request's confidences from earlier rounds (STS
+calibrated), what rounds actually accepted, and the cost model (a table of step costs measured
+on this machine, spec_setup.py). Output: a typed `StepPlan` that the scheduler applies
+(undrafted requests decode one plain token) and the worker consumes (the verify budget). Its
+state is keyed by request id; nothing of it lives on the requests.
+
+A request's price for the next round is a prediction of what that round will accept, made from
+information of earlier steps only (so the plan cannot depend on the drafts it admits; which
+drafts fill the budget is decided on the device, allocate.py):
+
+- its own survivals from `lag` rounds back, mapped through a per-position linear regression of
+  realised acceptance on exactly that price, fitted online over every verified round. Selecting
+  rounds by their price does not bias a regression on the price, where the earlier ratio
+  corrections (realised over priced on drafted rounds only) learned the optimism of the chosen
+  rounds and applied it to all, so that undrafted requests looked ever worse;
+- faded toward the population's acceptance per position (the mean over recent rounds) as the
+  request's evidence ages, its weight halving every `half_life` undrafted steps;
+- the population's evidence itself fades with time (`evidence_half_life` steps) toward an
+  optimistic prior of one round that accepted everything. Without this, a few bad early rounds
+  stop all drafting for good (nothing drafted, nothing learned): the fade makes the policy try
+  again after a while, at the price of one drafted step now and then where drafting does not pay.
+
+This replaces per-request probes: a request left undrafted is priced at the population's
+acceptance within a few steps, which is what a probe priced it at.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dspark.spec.planner import CostTable, StepPlan, plan_step
+from dspark.spec.sts import STSCalibration, host_survival
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Candidate:
+    """A running request whose next step could be a speculative round."""
+    request_id: str
+    verify_cap: int          # drafts it may verify this step (<= γ: max_tokens, context, budget)
+    pinned: bool = False     # seeded sampling: always drafts with every draft verified
+
+
+@dataclass
+class StepContext:
+    """The rest of the step the plan prices its drafts against."""
+    other_tokens: int        # tokens besides drafts: anchor rows, plain decode rows, prefill chunks
+    num_sampling: int        # rows that produce a token this step
+    joining_tokens: int = 0  # prefill of waiting requests that joins the step whatever is drafted
+
+
+@dataclass
+class _RequestState:
+    history: deque = field(default_factory=deque)   # numpy [γ] calibrated survivals of recent rounds
+    steps_without_draft: int = 0
+    priced: np.ndarray | None = None                # [γ] own survival the last drafted round was priced at
+
+
+class AcceptanceModel:
+    """Per position k, decayed sums over verified rounds of the price x_k (own survival, STS
+    applied, `lag` rounds back) and the outcome y_k (accepted or not): the population's mean
+    acceptance and a ridge regression of y on x (slope pulled toward 1, i.e. toward trusting
+    the calibrated confidences, while there is little evidence)."""
+
+    def __init__(self, gamma: int, round_decay: float = 0.995, prior_rounds: float = 1.0,
+                 ridge: float = 0.25):
+        self.round_decay, self.prior, self.ridge = round_decay, prior_rounds, ridge
+        self.hits = np.zeros(gamma)          # population: Σ y over all verified rounds
+        self.rounds = np.zeros(gamma)        # population: Σ rounds verified
+        self.sums = np.zeros((5, gamma))     # regression: Σ 1, x, y, x², xy (rounds with a price)
+        self._derived: tuple[np.ndarray, ...] | None = None
+
+    def observe(self, x: np.ndarray | None, verified: int, accepted: int) -> None:
+        if verified <= 0:
+            return
+        v = slice(0, verified)
+        y = (np.arange(verified) < accepted).astype(np.float64)
+        self.hits[v] = self.round_decay * self.hits[v] + y
+        self.rounds[v] = self.round_decay * self.rounds[v] + 1.0
+        if x is not None:
+            xv = np.asarray(x[:verified], dtype=np.float64)
+            terms = np.stack([np.ones(verified), xv, y, xv * xv, xv * y])
+            self.sums[:, v] = self.round_decay * self.sums[:, v] + terms
+        self._derived = None
+
+    def fade(self, factor: float) -> None:
+        """Evidence ages with time, not only with rounds (see the module's docstring)."""
+        self.hits *= factor
+        self.rounds *= factor
+        self.sums *= factor
+        self._derived = None
+
+    def _derive(self) -> tuple[np.ndarray, ...]:
+        if self._derived is None:
+            mean = np.minimum.accumulate((self.prior + self.hits) / (self.prior + self.rounds))
+            n, sx, sy, sxx, sxy = self.sums
+            m = np.maximum(n, 1e-9)
+            var, cov = sxx - sx * sx / m, sxy - sx * sy / m
+            slope = np.clip((cov + self.ridge) / (var + self.ridge), 0.0, 1.0)
+            x_mean = (self.prior + sx) / (self.prior + n)       # a prior round at x = y = 1
+            y_mean = (self.prior + sy) / (self.prior + n)
+            self._derived = (mean, slope, x_mean, y_mean)
+        return self._derived
+
+    @property
+    def mean(self) -> np.ndarray:
+        """[γ] the population's acceptance per position, non-increasing."""
+        return self._derive()[0]
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """[R, γ] prices -> expected acceptance per position, in [0, 1]."""
+        _, slope, x_mean, y_mean = self._derive()
+        return np.clip(y_mean + slope * (x - x_mean), 0.0, 1.0)
+
+
+class SpecPolicy:
+    def __init__(self, table: CostTable, sts: STSCalibration | None, gamma: int, lag: int = 2,
+                 min_gain: float = 0.05, half_life: float = 4.0, evidence_half_life: float = 64.0):
+        if lag < 1 or not half_life > 0 or not evidence_half_life > 0:
+            raise ValueError(f"the confidence lag must be >= 1 round and the half-lives > 0, got "
+                             f"{lag}, {half_life} and {evidence_half_life}")
+        self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
+        self.half_life = half_life
+        self.fade = 0.5 ** (1.0 / evidence_half_life)
+        self.temperatures = np.asarray(sts.temperatures if sts else [1.0] * gamma, dtype=np.float64)
+        self.offsets = np.asarray(sts.offset_list() if sts else [0.0] * gamma, dtype=np.float64)
+        self.acceptance = AcceptanceModel(gamma)
+        self.requests: dict[str, _RequestState] = {}
+        self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
+
+    # ---- what happened ------------------------------------------------------------------------
+    def record(self, request_id: str, confidence_logits: list[float], verified: int, accepted: int) -> None:
+        """A verified round: its outcome teaches the acceptance model; its confidences become the
+        request's price for a later round."""
+        state = self.requests.setdefault(request_id, _RequestState())
+        self.acceptance.observe(state.priced, verified, accepted)
+        state.priced = None
+        state.history.append(self.survival_of(confidence_logits))
+        while len(state.history) > self.lag:
+            state.history.popleft()
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def survival_of(self, confidence_logits) -> np.ndarray:
+        """[γ] raw confidences of one round -> cumulative survival, STS applied."""
+        z = np.asarray(confidence_logits, dtype=np.float64)
+        return host_survival(z, self.temperatures, self.offsets)
+
+    # ---- the decision -------------------------------------------------------------------------
+    def plan(self, candidates: list[Candidate], step: StepContext) -> StepPlan:
+        """Which candidates draft and the verify budget over them."""
+        self.acceptance.fade(self.fade)
+        if not candidates:
+            return StepPlan(drafted=[], budget=0, full=0)
+        self._check_size(len(candidates), step)
+        states = [self.requests.setdefault(c.request_id, _RequestState()) for c in candidates]
+        own, survival = self._prices(candidates, states)
+        plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
+                         joining_tokens=step.joining_tokens)
+        plan = _pin_seeded(plan, [c.pinned for c in candidates])
+        plan.predicted_accepted = _expected_accepted(survival, plan)
+        for state, x, drafted in zip(states, own, plan.drafted):
+            state.steps_without_draft = 0 if drafted else state.steps_without_draft + 1
+            state.priced = x if drafted else None
+        return plan
+
+    def _prices(self, candidates: list[Candidate], states: list[_RequestState]
+                ) -> tuple[list[np.ndarray | None], np.ndarray]:
+        """Each request's own price (None without history) and [R, γ] the survival the plan
+        uses: the regression's prediction faded toward the population mean by the price's age;
+        0 past each request's cap."""
+        mean = self.acceptance.mean
+        own = [s.history[0] if s.history else None for s in states]
+        rows = np.array([x if x is not None else mean for x in own])                      # [R, γ]
+        weight = np.array([0.5 ** (s.steps_without_draft / self.half_life) if x is not None else 0.0
+                           for s, x in zip(states, own)])
+        predicted = self.acceptance.predict(rows)
+        survival = np.minimum.accumulate(mean + weight[:, None] * (predicted - mean), axis=1)
+        caps = np.array([c.verify_cap for c in candidates])
+        survival[np.arange(self.gamma)[None, :] >= caps[:, None]] = 0.0
+        return own, survival
+
+    def _check_size(self, num_requests: int, step: StepContext) -> None:
+        if num_requests <= self.table.max_requests and \
+                step.other_tokens + step.joining_tokens + 1 <= self.table.max_tokens:
+            return
+        if self.oversize_steps == 0:
+            logger.warning("a step is larger than the cost table (%d requests, %d tokens); pricing it "
+                           "along the table's last slope (counted in oversize_steps)",
+                           num_requests, step.other_tokens + step.joining_tokens)
+        self.oversize_steps += 1
+
+
+def _expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:
+    """The drafts the plan expects to be accepted: its budget's best survivals among the drafted."""
+    drafted = survival[np.asarray(plan.drafted, dtype=bool)]
+    best = np.sort(drafted, axis=None)[::-1][:plan.budget]
+    return float(best.sum())
+
+
+def _pin_seeded(plan: StepPlan, pinned: list[bool]) -> StepPlan:
+    """A seeded sampling request drafts and has every draft verified, whatever the plan: which
+    drafts a sampled request verifies decides which tokens its seed draws, and the plan depends
+    on the load and on measured step times, so only a fixed choice keeps its text a function of
+    its seed (the one verify-all gives). The step then verifies every draft of every request it
+    drafts (the budget is not trimmed)."""
+    if not any(pinned):
+        return plan
+    return StepPlan(drafted=[d or p for d, p in zip(plan.drafted, pinned)], budget=plan.full,
+                    full=plan.full)

@@ -1,0 +1,137 @@
+"""The speculation policy's decisions, on its own: what it learns from rounds, how it prices
+requests it has not drafted lately, and that it never stops trying for good."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dspark.spec.planner import CostTable
+from dspark.spec.policy import AcceptanceModel, Candidate, SpecPolicy, StepContext
+
+# batch 1 on a cheap drafter: drafting pays when the first draft is accepted over ~25% of rounds
+TABLE = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [11.0] * 8, draft_ms=[0.0] + [2.0] * 4)
+
+
+def logit(c: float) -> float:
+    return math.log(c / (1 - c))
+
+
+def test_with_no_rounds_the_calibrated_confidences_are_trusted_and_the_population_is_certain():
+    model = AcceptanceModel(3)
+    x = np.array([[0.8, 0.4, 0.1], [0.3, 0.2, 0.0]])
+    assert np.allclose(model.predict(x), x)
+    assert (model.mean == 1.0).all()
+
+
+def test_a_head_whose_promises_never_come_true_is_priced_at_nothing():
+    model = AcceptanceModel(2)
+    for _ in range(300):
+        model.observe(np.array([0.9, 0.8]), verified=2, accepted=0)
+    assert model.predict(np.array([[0.9, 0.8]])).max() < 0.05
+    assert model.mean.max() < 0.05
+    before = model.sums.copy()
+    model.observe(np.array([0.9, 0.8]), verified=0, accepted=0)     # verified nothing: no evidence
+    assert (model.sums == before).all()
+
+
+def test_selecting_rounds_by_their_price_does_not_bias_what_unselected_prices_predict():
+    """Acceptance is 0.1 + 0.6 x at position 1. Rounds observed only where the price x > 0.6
+    (the ones a planner drafts) still predict a round priced at 0.2 right: a ratio of realised
+    over priced learned on those rounds would price it at about 0.2 * 0.7 / 0.8."""
+    rng = np.random.default_rng(0)
+    model = AcceptanceModel(1, round_decay=1.0)
+    for _ in range(20000):
+        x = rng.uniform(0.6, 1.0)
+        model.observe(np.array([x]), verified=1, accepted=int(rng.uniform() < 0.1 + 0.6 * x))
+    assert model.predict(np.array([[0.2]]))[0, 0] == pytest.approx(0.22, abs=0.03)
+    assert model.predict(np.array([[0.9]]))[0, 0] == pytest.approx(0.64, abs=0.03)
+
+
+def test_confidences_that_predict_nothing_price_every_request_at_the_mean():
+    rng = np.random.default_rng(1)
+    model = AcceptanceModel(1)
+    for _ in range(5000):
+        model.observe(np.array([rng.uniform()]), verified=1, accepted=int(rng.uniform() < 0.4))
+    predicted = model.predict(np.array([[0.05], [0.95]]))[:, 0]
+    assert predicted == pytest.approx([0.4, 0.4], abs=0.05)
+
+
+def test_old_confidences_fade_toward_the_population_mean():
+    """A request priced hopeless by its last round, in a population that accepts half of its
+    first drafts: right after the round it is hopeless, two undrafted steps later (one
+    half-life) half way, much later at the population's mean; with no history, at the mean."""
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, half_life=2.0, evidence_half_life=1e9)
+    for i in range(400):
+        policy.acceptance.observe(None, verified=2, accepted=i % 2)
+    policy.record("a", [-30.0, -30.0], verified=2, accepted=0)
+    mean = policy.acceptance.mean
+
+    def priced(age: int, request_id: str = "a") -> np.ndarray:
+        state = policy.requests.setdefault(request_id, type(policy.requests["a"])())
+        state.steps_without_draft = age
+        return policy._prices([Candidate(request_id, 2)], [state])[1][0]
+
+    assert priced(0).max() < 1e-3
+    assert priced(2) == pytest.approx(0.5 * mean, abs=1e-3)
+    assert priced(60) == pytest.approx(mean, abs=1e-3)
+    assert priced(0, "new") == pytest.approx(mean)
+
+
+def test_bad_early_rounds_do_not_stop_drafting_for_good():
+    """Forty rounds that accepted nothing: the policy stops drafting, and as that evidence ages
+    (no round observed meanwhile) it drafts again on its own, so a drafter that got better is
+    found out."""
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, evidence_half_life=16.0)
+    step = StepContext(other_tokens=1, num_sampling=1)
+    for _ in range(40):
+        policy.acceptance.observe(None, verified=2, accepted=0)
+    waited = 0
+    while not policy.plan([Candidate("new", 2)], step).drafted[0]:
+        waited += 1
+        assert waited < 200
+    assert waited > 10
+
+
+def test_requests_are_forgotten_and_a_plan_reports_what_it_expects():
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, min_gain=0.0)
+    sure = [logit(0.99), logit(0.99)]
+    for rid in ("a", "b"):
+        policy.record(rid, sure, verified=2, accepted=2)
+    plan = policy.plan([Candidate("a", 2), Candidate("b", 2)], StepContext(other_tokens=2, num_sampling=2))
+    assert all(plan.drafted) and plan.budget == 4
+    assert plan.predicted_accepted == pytest.approx(4 * 0.99 ** 2, rel=0.05)
+    policy.forget("a")
+    assert set(policy.requests) == {"b"}
+
+
+def test_a_seeded_sampling_request_drafts_with_every_draft_verified_whatever_the_plan():
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1)
+    for _ in range(300):
+        policy.acceptance.observe(None, verified=2, accepted=0)         # drafting never pays
+    step = StepContext(other_tokens=2, num_sampling=2)
+    plan = policy.plan([Candidate("free", 2), Candidate("seeded", 2, pinned=True)], step)
+    assert plan.drafted == [False, True] and plan.budget == plan.full == 4
+
+
+def test_drafts_are_priced_on_top_of_the_prefill_that_joins():
+    """The same requests and confidences draft in a decode step whose bucket has room, and
+    decode plainly when a prefill joins and every draft would add target time."""
+    verify = [0.0] + [10.0] * 8 + [10.0 + 2.0 * t for t in range(1, 120)]   # 2 ms a token past 8
+    table = CostTable(fingerprint={}, verify_ms=verify, draft_ms=[0.0] + [1.0] * 4)
+    policy = SpecPolicy(table, None, gamma=2, lag=1, min_gain=0.05)
+    z = logit(0.3)                                        # c = 0.3: survival [0.3, 0.09]
+    for rid in "abcd":
+        policy.record(rid, [z, z], verified=0, accepted=0)
+    batch = [Candidate(rid, 2) for rid in "abcd"]
+    alone = policy.plan(batch, StepContext(other_tokens=4, num_sampling=4))
+    assert all(alone.drafted) and alone.budget == 4       # 4 + 4 tokens: the same 10 ms
+    joined = policy.plan(batch, StepContext(other_tokens=4, num_sampling=4, joining_tokens=60))
+    assert not any(joined.drafted) and joined.budget == 0
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="lag"):
+        SpecPolicy(TABLE, None, gamma=2, lag=0)
+    with pytest.raises(ValueError, match="half-lives"):
+        SpecPolicy(TABLE, None, gamma=2, evidence_half_life=0.0)
