@@ -9,7 +9,9 @@ MODES = ("plain", "spec", "serve", "sweep", "graphs", "dp")
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default="plain")
-    p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--repetitions", type=int, default=3,
+                   help="runs to take the median of (serve: requests per client; serve with "
+                        "--compare-no-drafter: rounds per server and level)")
     p.add_argument("--batch1-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--min-output", type=int, default=16)

@@ -4,8 +4,10 @@ Each concurrency level runs that many closed-loop clients, each sending `--repet
 completions with a fixed prompt length and a fixed output length (ignore_eos), and measures per
 request the time to the first token, the time per output token after it, and the total latency.
 Prompts are built token-exactly through /tokenize when the server is dspark, and approximated
-with one common word per token otherwise.  dspark servers also report speculative counters per
-request (the `dspark` field), from which the acceptance columns are computed ("-" elsewhere).
+with one common word per token otherwise; `--chat` sends the built-in chat prompts to
+/v1/chat/completions instead, the traffic a chat model serves.  dspark servers also report
+speculative counters per request (the `dspark` field), from which the acceptance columns are
+computed ("-" elsewhere).  `--compare-no-drafter` hands over to serve_compare.py.
 
 Only the standard library talks HTTP (urllib in threads), so the benchmark runs wherever
 dspark does.  The last stdout line is one JSON document.
@@ -23,9 +25,12 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dspark.bench.prompts import bench_prompts
+from dspark.bench.prompts import CHAT, bench_prompts
+
+if TYPE_CHECKING:                       # the server dependencies load only with --launch
+    from dspark.server.launch import ServerThread
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,29 @@ class LevelResult:
     def ok(self) -> list[RequestResult]:
         return [r for r in self.results if r.error is None]
 
+    @property
+    def output_tokens_per_s(self) -> float:
+        return sum(r.output_tokens for r in self.ok) / self.seconds
+
+
+@dataclass
+class Workload:
+    """What every request of a run sends; clients cycle through the prompts."""
+    prompts: list[str | list[int]]     # chat: user messages; else completion prompts
+    chat: bool
+    output_tokens: int
+    ignore_eos: bool
+    timeout: float
+
+
+@dataclass
+class _Streamed:
+    first: float | None = None         # perf_counter of the first and last chunk with text
+    last: float | None = None
+    text_chunks: int = 0
+    usage: dict[str, Any] | None = None
+    spec: dict[str, Any] | None = None
+
 
 # ---- HTTP (stdlib) ------------------------------------------------------------------------------
 
@@ -98,40 +126,51 @@ def probe(base_url: str, api_key: str, model: str | None) -> Endpoint:
 
 
 def stream_completion(endpoint: Endpoint, prompt: str | list[int], max_tokens: int, ignore_eos: bool,
-                      timeout: float) -> RequestResult:
-    body: dict[str, Any] = {"model": endpoint.model, "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                      timeout: float, chat: bool = False) -> RequestResult:
+    """One streamed request; `chat` sends `prompt` as the user's message to /chat/completions.
+    The output is counted from the usage chunk (exact), else one token per chunk with text."""
+    body: dict[str, Any] = {"model": endpoint.model, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     if ignore_eos:
         body["ignore_eos"] = True
-    start = time.perf_counter()
-    first = last = None
-    text_chunks, usage, spec = 0, None, None
+    url = f"{endpoint.base_url}/{'chat/completions' if chat else 'completions'}"
+    start, seen = time.perf_counter(), _Streamed()
     try:
-        with urllib.request.urlopen(_request(f"{endpoint.base_url}/completions", endpoint.api_key, body),
-                                    timeout=timeout) as resp:
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"].get("message", "error event"))
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    last = time.perf_counter()
-                    first = first or last
-                    text_chunks += 1
-                usage = chunk.get("usage") or usage
-                spec = chunk.get("dspark") or spec
+        with urllib.request.urlopen(_request(url, endpoint.api_key, body), timeout=timeout) as resp:
+            _read_events(resp, seen)
     except (urllib.error.URLError, OSError, RuntimeError, ValueError) as exc:
         detail = exc.read().decode(errors="replace")[:300] if isinstance(exc, urllib.error.HTTPError) else ""
         return RequestResult(time.perf_counter() - start, error=f"{exc} {detail}".strip())
-    tokens = usage["completion_tokens"] if usage else text_chunks
-    tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    tokens = seen.usage["completion_tokens"] if seen.usage else seen.text_chunks
+    first, last = seen.first, seen.last
+    tpot = (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
     return RequestResult(time.perf_counter() - start, None if first is None else first - start, tpot,
-                         tokens, spec)
+                         tokens, seen.spec)
+
+
+def _read_events(resp: Any, seen: _Streamed) -> None:
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"].get("message", "error event"))
+        if any(_chunk_text(c) for c in chunk.get("choices") or []):
+            seen.last = time.perf_counter()
+            seen.first = seen.first or seen.last
+            seen.text_chunks += 1
+        seen.usage = chunk.get("usage") or seen.usage
+        seen.spec = chunk.get("dspark") or seen.spec
+
+
+def _chunk_text(choice: dict[str, Any]) -> str:
+    """A completion chunk's text, or a chat chunk's content delta."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -147,13 +186,35 @@ def build_prompts(endpoint: Endpoint, count: int, num_tokens: int) -> list[str |
     return [" ".join(WORDS[(i + k) % len(WORDS)] for k in range(num_tokens)) for i in range(count)]
 
 
+def make_workload(args: argparse.Namespace, endpoint: Endpoint, count: int, chat: bool) -> Workload:
+    """The built-in chat prompts, or `count` completion prompts of --input-tokens each."""
+    needed = args.output_tokens if chat else args.input_tokens + args.output_tokens
+    limit = endpoint.max_model_len
+    if limit is not None and needed > limit:
+        what = "--output-tokens" if chat else "--input-tokens + --output-tokens"
+        raise ValueError(f"{what} = {needed} exceeds the model's context ({limit})")
+    prompts = list(CHAT) if chat else build_prompts(endpoint, count, args.input_tokens)
+    return Workload(prompts, chat, args.output_tokens, not args.no_ignore_eos, args.request_timeout)
+
+
 # ---- running ------------------------------------------------------------------------------------
 
-def run_level(endpoint: Endpoint, prompts: list, concurrency: int, per_client: int, output_tokens: int,
-              ignore_eos: bool, timeout: float) -> LevelResult:
+def send(endpoint: Endpoint, workload: Workload, index: int, max_tokens: int | None = None) -> RequestResult:
+    prompt = workload.prompts[index % len(workload.prompts)]
+    return stream_completion(endpoint, prompt, max_tokens or workload.output_tokens, workload.ignore_eos,
+                             workload.timeout, workload.chat)
+
+
+def warm_up(endpoint: Endpoint, workload: Workload, count: int) -> None:
+    """Short requests first, so that first-use costs stay out of the measured levels; they take
+    prompts from the end, which the levels reach last."""
+    for index in range(count):
+        send(endpoint, workload, -1 - index, min(8, workload.output_tokens))
+
+
+def run_level(endpoint: Endpoint, workload: Workload, concurrency: int, per_client: int) -> LevelResult:
     def client(index: int) -> list[RequestResult]:
-        return [stream_completion(endpoint, prompts[(index * per_client + k) % len(prompts)],
-                                  output_tokens, ignore_eos, timeout) for k in range(per_client)]
+        return [send(endpoint, workload, index * per_client + k) for k in range(per_client)]
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -169,7 +230,7 @@ def summarize(level: LevelResult, ours: bool) -> dict[str, Any]:
     ok = level.ok
     summary: dict[str, Any] = {"concurrency": level.concurrency, "requests": len(level.results),
                                "errors": len(level.results) - len(ok), "seconds": round(level.seconds, 3)}
-    summary["output_tokens_per_s"] = round(sum(r.output_tokens for r in ok) / level.seconds, 2)
+    summary["output_tokens_per_s"] = round(level.output_tokens_per_s, 2)
     for name, values in (("ttft_ms", [r.ttft * 1e3 for r in ok if r.ttft is not None]),
                          ("tpot_ms", [r.tpot * 1e3 for r in ok if r.tpot is not None]),
                          ("latency_s", [r.latency for r in ok])):
@@ -194,14 +255,14 @@ COLUMNS = [("concurrency", "conc"), ("requests", "reqs"), ("ttft_ms", "TTFT ms")
            ("output_tokens_per_s", "out tok/s")]
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]] = COLUMNS) -> str:
     def cell(value: Any) -> str:
         if value is None:
             return "-"
         return f"{value:.2f}" if isinstance(value, float) else str(value)
 
-    lines = [" | ".join(title for _, title in COLUMNS), " | ".join("---" for _ in COLUMNS)]
-    lines += [" | ".join(cell(row.get(key)) for key, _ in COLUMNS) for row in rows]
+    lines = [" | ".join(title for _, title in columns), " | ".join("---" for _ in columns)]
+    lines += [" | ".join(cell(row.get(key)) for key, _ in columns) for row in rows]
     return "\n".join(lines)
 
 
@@ -226,45 +287,65 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     add_missing_argument(parser, "--no-ignore-eos", action="store_true",
                          help="do not send ignore_eos (for servers that reject it)")
     add_missing_argument(parser, "--request-timeout", type=float, default=600.0)
+    add_missing_argument(parser, "--chat", action=argparse.BooleanOptionalAction, default=None,
+                         help="send the built-in chat prompts to /v1/chat/completions instead of "
+                              "--input-tokens prompts to /v1/completions (default: on with "
+                              "--compare-no-drafter, off otherwise)")
+    add_missing_argument(parser, "--compare-no-drafter", action="store_true",
+                         help="launch two servers from the same engine arguments, one as given and one "
+                              "with --no-drafter, and alternate their rounds at each level "
+                              "(implies --launch; --repetitions: rounds per server and level)")
+    add_missing_argument(parser, "--requests-per-round", type=int, default=8,
+                         help="with --compare-no-drafter: requests per round at least (each of c "
+                              "clients sends ceil(max(c, this) / c))")
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(c) for c in str(text).split(",") if c.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency must list positive integers, got {text!r}")
+    return levels
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
-    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
-    if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency must list positive integers, got {args.concurrency!r}")
-    server = _launch(args) if args.launch else None
+    levels = parse_levels(args.concurrency)
+    if args.compare_no_drafter:
+        from dspark.bench.serve_compare import run_compare_bench
+        return run_compare_bench(args, levels)
+    chat = bool(args.chat)
+    server = launch(args) if args.launch else None
     try:
-        base_url = server.base_url if server else args.base_url
-        endpoint = probe(base_url, args.api_key, None if server else args.model)
-        limit = endpoint.max_model_len
-        if limit is not None and args.input_tokens + args.output_tokens > limit:
-            raise ValueError(f"--input-tokens + --output-tokens = {args.input_tokens + args.output_tokens} "
-                             f"exceeds the model's context ({limit})")
-        prompts = build_prompts(endpoint, max(levels) * args.repetitions + args.warmup, args.input_tokens)
-        ignore_eos = not args.no_ignore_eos
-        for prompt in prompts[-args.warmup:] if args.warmup else []:
-            stream_completion(endpoint, prompt, min(8, args.output_tokens), ignore_eos, args.request_timeout)
-        rows = [summarize(run_level(endpoint, prompts, c, args.repetitions, args.output_tokens, ignore_eos,
-                                    args.request_timeout), endpoint.ours) for c in levels]
+        endpoint = probe(server.base_url if server else args.base_url, args.api_key,
+                         None if server else args.model)
+        workload = make_workload(args, endpoint, max(levels) * args.repetitions + args.warmup, chat)
+        warm_up(endpoint, workload, args.warmup)
+        rows = [summarize(run_level(endpoint, workload, c, args.repetitions), endpoint.ours) for c in levels]
     finally:
         if server is not None:
             server.stop()
-    print(f"{endpoint.base_url} model={endpoint.model} input={args.input_tokens} "
-          f"output={args.output_tokens} tokens, {args.repetitions} requests per client")
+    prompts = "the built-in chat prompts" if chat else f"input={args.input_tokens}"
+    print(f"{endpoint.base_url} model={endpoint.model} {prompts} output={args.output_tokens} tokens, "
+          f"{args.repetitions} requests per client")
     print(format_table(rows))
     report = {"bench": "serve", "base_url": endpoint.base_url, "model": endpoint.model,
-              "dspark_server": endpoint.ours, "input_tokens": args.input_tokens,
+              "dspark_server": endpoint.ours, "chat": chat, "input_tokens": None if chat else args.input_tokens,
               "output_tokens": args.output_tokens, "repetitions": args.repetitions, "levels": rows}
     print(json.dumps(report))
     return report
 
 
-def _launch(args: argparse.Namespace):
+def launch(args: argparse.Namespace, no_drafter: bool | None = None) -> ServerThread:
+    """A dspark server in this process on a free loopback port, from the engine arguments in
+    `args`; `no_drafter` overrides theirs, so one set of arguments yields both servers to compare."""
     from dspark.server.api_server import build_app
     from dspark.server.launch import ServerThread, engine_config_from_args
-    max_clients = max(int(c) for c in str(args.concurrency).split(",") if c.strip())
-    app = build_app(engine_config_from_args(args), max_queue=max(256, max_clients))
+    if no_drafter is not None:
+        args = argparse.Namespace(**{**vars(args), "no_drafter": no_drafter})
+    app = build_app(engine_config_from_args(args), max_queue=max(256, max(parse_levels(args.concurrency))))
     return ServerThread(app).start()
 
 
-__all__ = ["add_serve_bench_args", "run_serve_bench"]
+__all__ = ["add_serve_bench_args", "launch", "run_serve_bench"]
