@@ -35,6 +35,24 @@ def fixed_length(prompts: list[list[int]], length: int, n: int) -> list[list[int
     return out
 
 
+def best_plan_gain(table, acceptance, requests: int) -> float:
+    """What the best plan the cost table allows gains over plain decoding, in tokens per ms, for
+    `requests` decoding requests whose drafts survive as the verify-all engine measured in the
+    same run (its share of rounds accepting each position): every draft set and budget priced,
+    no hysteresis. Multiplied by plain decoding's measured tok/s, the sweep's bound."""
+    import numpy as np
+    from dspark.spec.planner import plan_step
+    rounds = max(1, acceptance.draft_rounds)
+    survival = np.tile(np.asarray(acceptance.accepted_per_position, dtype=np.float64) / rounds, (requests, 1))
+    plan = plan_step(survival, table, requests, requests, min_gain=0.0, prefer_verify_all=False)
+    drafted = survival[np.asarray(plan.drafted, dtype=bool)]
+    tokens = requests + np.sort(drafted, axis=None)[::-1][:plan.budget].sum()
+    cost = table.draft_costs([sum(plan.drafted)])[0] + table.verify_costs(requests + plan.budget,
+                                                                          requests + plan.budget + 1)[0]
+    plain = requests / table.verify_costs(requests, requests + 1)[0]
+    return float(tokens / cost / plain)
+
+
 def _engines(args, max_seqs: int) -> dict:
     from dspark import LLM
     common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max_seqs,
@@ -78,31 +96,43 @@ def run_sweep_bench(args) -> dict:
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     medians: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     drafted_share = []              # default: requests' decode steps that drafted, of all of them
+    policy = []                     # default: what the policy expected and what was accepted
+    bounds = []                     # tok/s of the best plan the cost table allows (see best_plan_gain)
     for c in levels:
         prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
         runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
         for llm in engines.values():
             llm.generate(prompts[:c], warm)
         engines["default"].engine.reset_spec_stats()
+        engines["verify-all"].engine.reset_spec_stats()
         for _ in range(args.repetitions):
             for name in SYSTEMS:                   # interleaved: drift hits every system alike
                 runs[name].append(closed_loop(engines[name].engine, prompts, params, c)["tokens_per_s"])
         for name in SYSTEMS:
             medians[name].append(statistics.median(runs[name]))
+        table = engines["default"].engine.policy.table
+        bounds.append(medians["plain"][-1] * best_plan_gain(table, engines["verify-all"].engine.spec_stats, c))
         stats = engines["default"].engine.spec_stats
         drafted_share.append(stats.draft_rounds / max(1, stats.draft_rounds + stats.undrafted_steps))
+        policy.append({"predicted_accepted": round(stats.predicted_accepted_tokens, 1),
+                       "accepted": stats.accepted_tokens, "verified": stats.verified_tokens,
+                       "verified_per_round": round(stats.verified_tokens / max(1, stats.draft_rounds), 2)})
     png = plot_sweep(levels, medians, args.png)
     print(f"{args.output_tokens} tokens from each of max(c, {args.sweep_requests}) requests of "
           f"{args.input_tokens} prompt tokens, at most c in flight; medians of {args.repetitions}")
     print("concurrency | plain tok/s | verify-all tok/s | default tok/s | default / best other "
-          "| default: request steps that drafted")
-    print("---|---|---|---|---|---")
+          "| default: request steps that drafted | best plan by the table, tok/s | default / it")
+    print("---|---|---|---|---|---|---|---")
     ratios = []
     for i, c in enumerate(levels):
         best = max(medians["plain"][i], medians["verify-all"][i])
         ratios.append(medians["default"][i] / best)
         print(f"{c} | {medians['plain'][i]:.1f} | {medians['verify-all'][i]:.1f} | "
-              f"{medians['default'][i]:.1f} | {ratios[-1]:.2f}x | {drafted_share[i]:.0%}")
+              f"{medians['default'][i]:.1f} | {ratios[-1]:.2f}x | {drafted_share[i]:.0%} | "
+              f"{bounds[i]:.1f} | {medians['default'][i] / bounds[i]:.2f}x")
+    for c, p in zip(levels, policy):
+        print(f"default at {c}: drafts expected accepted {p['predicted_accepted']}, accepted "
+              f"{p['accepted']} of {p['verified']} verified ({p['verified_per_round']} a round)")
     print(f"plot: {png}")
     report = {"bench": "sweep", "levels": levels,
               "requests_per_level": [max(c, args.sweep_requests) for c in levels],
@@ -110,6 +140,9 @@ def run_sweep_bench(args) -> dict:
               "repetitions": args.repetitions,
               "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in medians.items()},
               "default_over_best_other": [round(r, 3) for r in ratios],
-              "default_drafted_share": [round(d, 3) for d in drafted_share], "plot": png}
+              "default_drafted_share": [round(d, 3) for d in drafted_share], "default_policy": policy,
+              "best_plan_tokens_per_s": [round(b, 2) for b in bounds],
+              "default_over_best_plan": [round(medians["default"][i] / b, 3) for i, b in enumerate(bounds)],
+              "plot": png}
     print(json.dumps(report))
     return report

@@ -388,7 +388,9 @@ def _spec_delta(before: SpecStats, after: SpecStats) -> SpecStats:
                      verified_tokens=diff(after.verified_tokens, before.verified_tokens),
                      accepted_tokens=diff(after.accepted_tokens, before.accepted_tokens),
                      accepted_per_position=positions,
-                     undrafted_steps=diff(after.undrafted_steps, before.undrafted_steps))
+                     undrafted_steps=diff(after.undrafted_steps, before.undrafted_steps),
+                     predicted_accepted_tokens=max(0.0, after.predicted_accepted_tokens
+                                                   - before.predicted_accepted_tokens))
 
 
 __all__ = ["AsyncEngine", "EngineNotRunning", "EngineObserver", "EngineState", "QueueFull",

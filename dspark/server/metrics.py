@@ -55,7 +55,10 @@ class ServerMetrics:
                                 registry=r)
         self.accepted = Counter("dspark_spec_accepted_tokens", "Drafted tokens accepted", registry=r)
         self.undrafted = Counter("dspark_spec_undrafted_steps", "Decode steps of speculative requests "
-                                 "that the confidence planner ran without drafting", registry=r)
+                                 "that the speculation policy ran without drafting", registry=r)
+        self.predicted = Counter("dspark_spec_predicted_accepted_tokens", "Drafts the speculation "
+                                 "policy expected to be accepted when it planned (against "
+                                 "dspark_spec_accepted_tokens: what was)", registry=r)
         self.accepted_at = Counter("dspark_spec_accepted_tokens_per_position",
                                    "Drafts accepted at each block position (1-based)", ["position"],
                                    registry=r)
@@ -82,6 +85,8 @@ class ServerMetrics:
         spec = report.spec
         if spec.undrafted_steps:
             self.undrafted.inc(spec.undrafted_steps)
+        if spec.predicted_accepted_tokens > 0:
+            self.predicted.inc(spec.predicted_accepted_tokens)
         if spec.draft_rounds:
             self.draft_rounds.inc(spec.draft_rounds)
             self.drafted.inc(spec.drafted_tokens)

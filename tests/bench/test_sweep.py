@@ -5,7 +5,9 @@ import types
 
 from dspark import LLM, SamplingParams
 from dspark.bench.closed_loop import closed_loop
-from dspark.bench.sweep import SYSTEMS, fixed_length, run_sweep_bench
+from dspark.bench.sweep import SYSTEMS, best_plan_gain, fixed_length, run_sweep_bench
+from dspark.outputs import SpecStats
+from dspark.spec.planner import CostTable
 from tiny import save_random_drafter, save_tiny
 
 
@@ -29,6 +31,9 @@ def test_sweep_reports_every_system_at_every_level(tmp_path, capsys):
     assert set(report["tokens_per_s"]) == set(SYSTEMS)
     assert all(len(v) == 2 and min(v) > 0 for v in report["tokens_per_s"].values())
     assert (tmp_path / "sweep.png").stat().st_size > 5000
+    assert all(b > 0 for b in report["best_plan_tokens_per_s"])
+    for level in report["default_policy"]:
+        assert level["accepted"] <= level["verified"] and level["predicted_accepted"] >= 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == report
 
@@ -52,3 +57,15 @@ def test_a_level_keeps_at_most_c_requests_in_flight_and_runs_them_all(tmp_path):
     assert closed_loop(llm.engine, prompts, params, 2)["tokens_per_s"] > 0
     assert max(in_flight) == 2 and finished_lengths == [6] * 5
     assert not llm.engine.has_unfinished
+
+
+def test_the_best_plan_bound_prices_every_plan_on_the_table():
+    """Verification free up to 8 tokens, a cheap drafter: with every first draft accepted and no
+    second one, one request gains (1 + 1) / (10 + 1) over 1 / 10; where drafts are never
+    accepted, or drafting costs a whole step, nothing beats plain decoding (gain 1)."""
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 8 + [30.0] * 8, draft_ms=[0.0] + [1.0] * 4)
+    sure_first = SpecStats(draft_rounds=10, accepted_per_position=[10, 0, 0])
+    assert best_plan_gain(table, sure_first, 1) == 2 / 11 / (1 / 10)
+    assert best_plan_gain(table, SpecStats(draft_rounds=10, accepted_per_position=[0, 0, 0]), 4) == 1.0
+    dear = CostTable(fingerprint={}, verify_ms=table.verify_ms, draft_ms=[0.0] + [100.0] * 4)
+    assert best_plan_gain(dear, sure_first, 1) == 1.0

@@ -82,3 +82,5 @@ def test_concurrent_streams_with_disconnects(mode, target_dir, drafter_dir):
         assert values[key] == NUM_CLIENTS
         if mode == "dspark":
             assert values[("dspark_spec_accepted_tokens_total", ())] > 0
+            predicted = values[("dspark_spec_predicted_accepted_tokens_total", ())]
+            assert predicted == pytest.approx(engine.spec_stats.predicted_accepted_tokens) and predicted > 0
