@@ -31,11 +31,11 @@ def amx(request, monkeypatch):
 
 @pytest.fixture(autouse=True, scope="session")
 def private_cost_models(tmp_path_factory):
-    """The cost models test engines measure go to the session's own folder, not the user's
-    cache (every tiny drafter is a new setup: each would leave a file there)."""
-    from dspark.engine import spec_setup
-    folder = tmp_path_factory.mktemp("dspark_cache")
+    """What test engines cache (cost models, graph choices) goes to the session's own folder, not
+    the user's cache (every tiny drafter is a new setup: each would leave a file there). Set in
+    the environment, so that processes the tests spawn (data-parallel ranks) inherit it."""
+    folder = tmp_path_factory.mktemp("xdg_cache")
     patch = pytest.MonkeyPatch()
-    patch.setattr(spec_setup, "cache_root", lambda: folder)
-    yield folder
+    patch.setenv("XDG_CACHE_HOME", str(folder))
+    yield folder / "dspark"
     patch.undo()
