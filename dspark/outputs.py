@@ -35,7 +35,7 @@ class SpecStats:
     verified_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    undrafted_steps: int = 0       # decode steps the confidence planner ran without drafting
+    undrafted_steps: int = 0       # decode steps the speculation policy ran without drafting
     predicted_accepted_tokens: float = 0.0   # drafts the policy expected to be accepted (engine-wide)
 
     @classmethod
