@@ -8,6 +8,7 @@ all of which were written by committed tokens, so no rollback write is needed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from dspark.models.drafter import Drafter
 from dspark.models.layers.attention import gather_blocks, write_kv
 from dspark.spec.types import DraftProposal
-from dspark.worker.sampler import SamplingTensors, seeded_exponentials
+from dspark.worker.sampler import SamplingTensors, global_exponentials, seeded_exponentials
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 BlockPass = Callable[..., tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]   # `block_pass`
@@ -89,18 +90,20 @@ def block_outputs(drafter: Drafter, h_block: torch.Tensor, anchors: torch.Tensor
 def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor,
                  state: torch.Tensor | None, st: SamplingTensors) -> DraftProposal:
     """base [R, γ, V_draft]; sample x_k from softmax((U_k + B_k) / T) given x_{k-1}. A greedy
-    step's vanilla head runs as one kernel call where the drafter's fused layers run."""
+    step's vanilla head runs as one kernel call where the drafter's fused layers run; a sampled
+    step sets up its noise and buffers once (`_DraftSampler`), so each position adds only the
+    head's step, one softmax and one race."""
     cfg = drafter.config
     fused = drafter.fused_blocks.markov_greedy(drafter, h, base, anchors) \
         if st.all_greedy and drafter.fused_blocks is not None else None
     if fused is not None:
         return DraftProposal(tokens=fused[0], probs=None,
                              confidence_logits=fused[1] if cfg.enable_confidence_head else None)
-    gamma = h.shape[1]
-    noise = None if st.all_greedy else _draft_noise(drafter, st, anchors.shape[0], gamma, base.device)
-    tokens, probs, conf = [], [], []
+    sampler = None if st.all_greedy else _DraftSampler.start(drafter, st, anchors.shape[0], h.shape[1],
+                                                             base.device)
+    tokens, conf = [], []
     prev = anchors
-    for k in range(gamma):
+    for k in range(h.shape[1]):
         e = drafter.markov_embed(prev) if cfg.markov_rank > 0 else None
         logits = base[:, k]
         if e is not None:
@@ -108,15 +111,58 @@ def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors:
             logits = logits + bias.float()
         if cfg.enable_confidence_head:
             conf.append(drafter.confidence_logits(h[:, k], e).float())
-        if st.all_greedy:                       # the argmax over V_draft, no [R, V] scatter
-            prev, q = drafter.to_target_ids(logits.argmax(-1)), None
+        if sampler is None:                     # the argmax over V_draft, no [R, V] scatter
+            prev = drafter.to_target_ids(logits.argmax(-1))
         else:
-            prev, q = _sample_draft(drafter, logits, noise[:, k], st)                  # q [R, V]
+            prev = sampler.draw(k, logits)
         tokens.append(prev)
-        probs.append(q)
     return DraftProposal(tokens=torch.stack(tokens, 1),
-                         probs=None if st.all_greedy else torch.stack(probs, 1),
+                         probs=None if sampler is None else sampler.q.transpose(0, 1),
                          confidence_logits=torch.stack(conf, 1) if conf else None)
+
+
+@dataclass
+class _DraftSampler:
+    """A sampled block's state, made once before the Markov loop: the noise of every position,
+    q's buffers, and whether any row is greedy (only then is a greedy argmax taken). Each row
+    samples q = softmax(logits / T) exactly, as the first maximum of q / E over the draft
+    vocabulary (q is 0 elsewhere, and the draft ids list their target ids in increasing order,
+    so it is the maximum over V, ties included)."""
+    drafter: Drafter
+    temperature: torch.Tensor             # [R, 1]
+    noise: torch.Tensor                   # [R, γ, V_draft] Exp(1)
+    q: torch.Tensor                       # [γ, R, V] each position's q, written in place
+    scattered: torch.Tensor | None        # [γ, R, V] -inf outside the draft vocabulary; None at full
+    columns: torch.Tensor | None          # [R, V_draft] the target id of each draft column
+    greedy: torch.Tensor | None           # [R] bool; None when no row is greedy
+
+    @classmethod
+    def start(cls, drafter: Drafter, st: SamplingTensors, r: int, gamma: int,
+              device: torch.device) -> "_DraftSampler":
+        v, draft_vocab = drafter.config.vocab_size, drafter.config.uses_draft_vocab
+        scattered = torch.full((gamma, r, v), float("-inf"), dtype=torch.float32, device=device) \
+            if draft_vocab else None
+        columns = drafter.draft_to_target_index.expand(r, -1) if draft_vocab else None
+        return cls(drafter=drafter, temperature=st.temperature[:, None],
+                   noise=_draft_noise(drafter, st, r, gamma, device),
+                   q=torch.empty(gamma, r, v, dtype=torch.float32, device=device), scattered=scattered,
+                   columns=columns,
+                   greedy=st.greedy if any(st.greedy_host) else None)
+
+    def draw(self, k: int, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V_draft] of position k -> drafts [R] (target ids); fills q[k] [R, V].
+        Dividing before the scatter gives the bits dividing the scattered row gave (-inf / T
+        stays -inf), and a softmax into a contiguous row gives the bits of one that allocates."""
+        drafter = self.drafter
+        z = logits / self.temperature                                                 # [R, V_draft]
+        if self.columns is not None:
+            z = self.scattered[k].scatter_(1, self.columns, z)                      # [R, V]
+        q = torch.softmax(z, dim=-1, out=self.q[k])
+        q_draft = q if self.columns is None else q.index_select(1, drafter.draft_to_target_index)
+        sampled = drafter.to_target_ids((q_draft / self.noise[:, k]).argmax(-1))
+        if self.greedy is None:
+            return sampled
+        return torch.where(self.greedy, drafter.to_target_ids(logits.argmax(-1)), sampled)
 
 
 def _draft_noise(drafter: Drafter, st: SamplingTensors, r: int, gamma: int,
@@ -124,28 +170,18 @@ def _draft_noise(drafter: Drafter, st: SamplingTensors, r: int, gamma: int,
     """Exp(1) noise [R, γ, V_draft] for the whole block, drawn before the loop: a seeded row
     takes γ draws of V from its generator, as one exponential per position over the target
     vocabulary always did, so its drafts keep their bits, but only the draft vocabulary's
-    columns are turned into noise; unseeded rows draw the draft vocabulary's alone."""
+    columns are turned into noise; unseeded rows draw the draft vocabulary's alone, together.
+    Greedy rows draw nothing (their noise is never read)."""
     columns = drafter.draft_to_target_index if drafter.config.uses_draft_vocab else None
     width = drafter.config.draft_vocab_size if columns is not None else drafter.config.vocab_size
-    noise = torch.empty(r, gamma, width, device=device)
     seeded = [(row, gen) for row, gen in enumerate(st.generators[:r])
               if gen is not None and not st.greedy_host[row]]
     free = [row for row in range(r) if st.generators[row] is None and not st.greedy_host[row]]
+    if len(free) == r:
+        return global_exponentials((r, gamma, width), device)
+    noise = torch.empty(r, gamma, width, device=device)
     if free:
-        noise[free] = torch.empty(len(free), gamma, width, device=device).exponential_()
+        noise[free] = global_exponentials((len(free), gamma, width), device)
     for row, gen in seeded:
         noise[row] = seeded_exponentials(gen, gamma, drafter.config.vocab_size, device, columns)
     return noise
-
-
-def _sample_draft(drafter: Drafter, logits: torch.Tensor, noise: torch.Tensor,
-                  st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V_draft], noise [R, V_draft] -> (drafts [R] target ids, q [R, V]). Greedy rows
-    take the argmax; the others sample from q = softmax(logits / T) exactly, as the first
-    maximum of q / E over the draft vocabulary (q is 0 elsewhere, and the draft ids list their
-    target ids in increasing order, so it is the maximum over V, ties included)."""
-    greedy = drafter.to_target_ids(logits.argmax(-1))
-    q = torch.softmax(drafter.scatter_to_target_vocab(logits) / st.temperature[:, None], dim=-1)
-    q_draft = q if not drafter.config.uses_draft_vocab else q.index_select(1, drafter.draft_to_target_index)
-    sampled = drafter.to_target_ids((q_draft / noise).argmax(-1))
-    return torch.where(st.greedy, greedy, sampled), q

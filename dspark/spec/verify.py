@@ -26,23 +26,37 @@ def uniform_noise(shape: tuple[int, int], generators: list[torch.Generator | Non
 
 def accept(target_logits: torch.Tensor, verify_lens: torch.Tensor, draft: DraftProposal,
            st: SamplingTensors) -> VerifyResult:
-    """target_logits [R, γ+1, V] (row j predicts the token after x_j, x_0 the anchor)."""
+    """target_logits [R, γ+1, V] (row j predicts the token after x_j, x_0 the anchor). Every
+    position's ratio test runs in one pass over [R, γ], the recovery distribution is built for
+    the row after the accepted prefix alone, and the target's argmax is taken only when some
+    row is greedy."""
     if st.all_greedy:
         return accept_greedy(target_logits.argmax(-1), verify_lens, draft)
-    r, g1, v = target_logits.shape
+    r, g1, _ = target_logits.shape
     gamma = g1 - 1
-    target_argmax = target_logits.argmax(-1)                                   # [R, γ+1]
-    ok = draft.tokens == target_argmax[:, :gamma]                              # [R, γ]
-    p = processed_probs(target_logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
+    p = _target_probs(target_logits, st)                                       # [R, γ+1, V]
     p_x = p[:, :gamma].gather(-1, draft.tokens[..., None]).squeeze(-1)         # [R, γ]
     q_x = draft.probs.gather(-1, draft.tokens[..., None]).squeeze(-1)          # [R, γ]
-    u = uniform_noise((r, gamma), st.generators, target_logits.device)
-    ok = torch.where(st.greedy[:, None], ok, u * q_x <= p_x)
+    ok = uniform_noise((r, gamma), st.generators, target_logits.device) * q_x <= p_x
+    target_argmax = target_logits.argmax(-1) if any(st.greedy_host) else None  # [R, γ+1]
+    if target_argmax is not None:
+        ok = torch.where(st.greedy[:, None], draft.tokens == target_argmax[:, :gamma], ok)
     num_accepted = _accepted_prefix(ok, verify_lens)
-    next_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)     # [R]
-    sampled = _recover_or_bonus(p, draft.probs, num_accepted, verify_lens, st)
-    next_token = torch.where(st.greedy, next_token, sampled)
+    next_token = _recover_or_bonus(p, draft.probs, num_accepted, verify_lens, st)      # [R]
+    if target_argmax is not None:
+        greedy_next = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)
+        next_token = torch.where(st.greedy, greedy_next, next_token)
     return _result(draft, num_accepted, next_token)
+
+
+def _target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """[R, γ+1, V] -> the target's processed distributions. With temperature alone (the usual
+    sampled request) each block is divided by its request's temperature directly, the bits
+    `processed_probs` gives on the rows repeated per position, without repeating anything."""
+    if st.top_k is None and st.top_p is None and st.min_p is None:
+        return torch.softmax(logits / st.temperature[:, None, None], dim=-1)
+    r, g1, v = logits.shape
+    return processed_probs(logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
 
 
 def accept_greedy(target_argmax: torch.Tensor, verify_lens: torch.Tensor,
@@ -68,9 +82,13 @@ def _result(draft: DraftProposal, num_accepted: torch.Tensor, next_token: torch.
 
 def _recover_or_bonus(p: torch.Tensor, q: torch.Tensor, a: torch.Tensor, lens: torch.Tensor,
                       st: SamplingTensors) -> torch.Tensor:
+    """p [R, γ+1, V], q [R, γ, V], a [R] accepted -> the token after each accepted prefix, drawn
+    from the residual max(p - q, 0) where a draft was rejected (from p where the residual has
+    no mass, or after the last verified draft). Only row a of p and q is read, picked per row."""
     r, g1, v = p.shape
-    p_a = p.gather(1, a[:, None, None].expand(r, 1, v)).squeeze(1)                       # [R, V]
-    q_next = q.gather(1, a.clamp(max=g1 - 2)[:, None, None].expand(r, 1, v)).squeeze(1)  # [R, V]
+    rows = torch.arange(r, device=p.device)
+    p_a = p[rows, a]                                                             # [R, V]
+    q_next = q[rows, a.clamp(max=g1 - 2)]                                        # [R, V]
     residual = (p_a - q_next).clamp_(min=0)
     has_mass = residual.sum(-1, keepdim=True) > 0
     rejected = (a < lens)[:, None]

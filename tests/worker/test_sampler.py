@@ -157,3 +157,13 @@ def test_a_seeded_rows_draw_does_not_depend_on_its_batch():
         both = sample(torch.stack([peaked, flat]), tensors([p, p], gens, vocab=v))
         mixed.append(int(both[0]))
     assert alone == mixed and len(set(alone)) > 1
+
+
+def test_unseeded_noise_is_the_global_generators_exponential_bit_for_bit():
+    from dspark.worker.sampler import global_exponentials
+    for shape in [(1, 7), (3, 5, 600), (2, 49153)]:
+        torch.manual_seed(9)
+        want, want_next = torch.empty(shape).exponential_(), torch.rand(2)
+        torch.manual_seed(9)
+        got = global_exponentials(shape, torch.device("cpu"))
+        assert torch.equal(got, want) and torch.equal(torch.rand(2), want_next)
