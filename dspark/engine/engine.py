@@ -24,9 +24,11 @@ from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import ParamError, SamplingParams
+from dspark.spec.planner import CostTable
 from dspark.worker.inputs import RequestChunk
 from dspark.worker.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
 from dspark.worker.kv_cache import bytes_per_block, num_blocks_for_budget
+from dspark.worker.profile import ProfileConfig
 from dspark.worker.step_key import StepKey
 from dspark.worker.worker import StepResult, Worker, WorkerBatch
 
@@ -132,7 +134,7 @@ class Engine:
         """What a cost table must have been measured on to price this engine's steps."""
         return cost_fingerprint(self.config, self.drafter, self.worker.graphs, self.device)
 
-    def profile(self, cfg) -> "CostTable":  # noqa: F821 (dspark.spec.planner)
+    def profile(self, cfg: ProfileConfig) -> CostTable:
         """Measure the cost table of this engine (it must be idle)."""
         from dspark.worker.profile import profile_worker
         if self.has_unfinished:

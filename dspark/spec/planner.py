@@ -229,9 +229,12 @@ def _best_set(s: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: i
     budgets = np.arange(full + 1)[None, :]
     chosen = sizes[:, None] - int(must.sum())
     rate[(budgets > sizes[:, None] * gamma) | (budgets < chosen)] = -np.inf
-    best = int(rate.argmax())                                                  # first maximum
-    size, budget = int(sizes[best // (full + 1)]), best % (full + 1)
-    best_rate = float(rate.flat[best])
+    # the smallest set, and within it the largest budget, of those that reach the best rate: a
+    # draft priced at 0 that the step's bucket verifies for free is still verified
+    per_set = full - rate[:, ::-1].argmax(1)                                   # [C] last maximum
+    c = int(rate[np.arange(len(sizes)), per_set].argmax())
+    size, budget = int(sizes[c]), int(per_set[c])
+    best_rate = float(rate[c, budget])
     if size > 0 and sizes[0] == 0 and best_rate < (1.0 + min_gain) * plain_rate:
         size, budget, best_rate = 0, 0, plain_rate            # drafting must pay for itself too
     return rank, size, budget, best_rate

@@ -270,3 +270,13 @@ def test_drafts_on_a_prefill_step_are_priced_on_top_and_judged_against_decoding(
     assert not any(linear.drafted) and linear.budget == 0
     # priced with the prefill inside the step's own rate, the same drafts would look worth it
     assert plan_step(s, t, num_sampling=4, other_tokens=64).verify_all
+
+
+def test_drafts_priced_at_nothing_are_still_verified_where_the_bucket_holds_them_for_free():
+    """One request, a first draft worth 0.9 and three priced at 0, verification flat up to 8
+    tokens: every budget from 1 to 4 reaches the same rate, and the plan takes the largest (a
+    price of 0 is an estimate; verifying the draft costs nothing here)."""
+    t = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 8 + [20.0] * 8, draft_ms=[0.0, 1.0])
+    s = torch.tensor([[0.9, 0.0, 0.0, 0.0]])
+    plan = plan_step(s, t, num_sampling=1, other_tokens=1, min_gain=0.0, prefer_verify_all=False)
+    assert plan.drafted == [True] and plan.budget == 4
