@@ -4,6 +4,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))   # lets tests import the shared `tiny` helpers
+sys.path.insert(1, os.path.join(os.path.dirname(__file__), "server"))   # ... and `tiny_server`
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 import pytest  # noqa: E402

@@ -1,4 +1,0 @@
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))  # the `tiny_server` helpers
