@@ -189,13 +189,16 @@ class SpecPolicy:
         return own, survival
 
     def _check_size(self, num_requests: int, step: StepContext) -> None:
-        if num_requests <= self.table.max_requests and \
-                step.other_tokens + step.joining_tokens + 1 <= self.table.max_tokens:
+        """A decode step the table does not reach is priced by extrapolation: say so once. A
+        prefill joining the step is not counted: its drafts are priced by what they add on top
+        of it, along the table's last slope, which is what that slope is for."""
+        tokens = step.other_tokens + num_requests * self.gamma
+        if num_requests <= self.table.max_requests and tokens <= self.table.max_tokens:
             return
         if self.oversize_steps == 0:
-            logger.warning("a step is larger than the cost table (%d requests, %d tokens); pricing it "
-                           "along the table's last slope (counted in oversize_steps)",
-                           num_requests, step.other_tokens + step.joining_tokens)
+            logger.warning("a step is larger than the cost table (%d requests, %d tokens with every "
+                           "draft); pricing it along the table's last slope (counted in "
+                           "oversize_steps)", num_requests, tokens)
         self.oversize_steps += 1
 
 

@@ -135,3 +135,16 @@ def test_bad_arguments_are_refused():
         SpecPolicy(TABLE, None, gamma=2, lag=0)
     with pytest.raises(ValueError, match="half-lives"):
         SpecPolicy(TABLE, None, gamma=2, evidence_half_life=0.0)
+
+
+def test_only_steps_the_table_does_not_reach_are_warned_about(caplog):
+    """A prefill joining the step is priced on top along the table's slope, as designed: no
+    warning. More requests than the table holds: one warning, every such step counted."""
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1)
+    with caplog.at_level("WARNING", logger="dspark.spec.policy"):
+        policy.plan([Candidate("a", 2)], StepContext(other_tokens=1, num_sampling=1, joining_tokens=500))
+        assert policy.oversize_steps == 0 and not caplog.records
+        many = [Candidate(str(i), 2) for i in range(6)]
+        for _ in range(2):
+            policy.plan(many, StepContext(other_tokens=6, num_sampling=6))
+    assert policy.oversize_steps == 2 and len(caplog.records) == 1
