@@ -42,11 +42,11 @@ def best_plan_gain(table, acceptance, requests: int) -> float:
     no hysteresis. Multiplied by plain decoding's measured tok/s, the sweep's bound."""
     import numpy as np
     from dspark.spec.planner import plan_step
+    from dspark.spec.policy import expected_accepted
     rounds = max(1, acceptance.draft_rounds)
     survival = np.tile(np.asarray(acceptance.accepted_per_position, dtype=np.float64) / rounds, (requests, 1))
     plan = plan_step(survival, table, requests, requests, min_gain=0.0, prefer_verify_all=False)
-    drafted = survival[np.asarray(plan.drafted, dtype=bool)]
-    tokens = requests + np.sort(drafted, axis=None)[::-1][:plan.budget].sum()
+    tokens = requests + expected_accepted(survival, plan)
     cost = table.draft_costs([sum(plan.drafted)])[0] + table.verify_costs(requests + plan.budget,
                                                                           requests + plan.budget + 1)[0]
     plain = requests / table.verify_costs(requests, requests + 1)[0]

@@ -166,7 +166,7 @@ class SpecPolicy:
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
                          joining_tokens=step.joining_tokens)
         plan = _pin_seeded(plan, [c.pinned for c in candidates])
-        plan.predicted_accepted = _expected_accepted(survival, plan)
+        plan.predicted_accepted = expected_accepted(survival, plan)
         for state, x, drafted in zip(states, own, plan.drafted):
             state.steps_without_draft = 0 if drafted else state.steps_without_draft + 1
             state.priced = x if drafted else None
@@ -202,7 +202,7 @@ class SpecPolicy:
         self.oversize_steps += 1
 
 
-def _expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:
+def expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:
     """The drafts the plan expects to be accepted: its budget's best survivals among the drafted."""
     drafted = survival[np.asarray(plan.drafted, dtype=bool)]
     best = np.sort(drafted, axis=None)[::-1][:plan.budget]
