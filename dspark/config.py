@@ -136,6 +136,7 @@ class EngineConfig:
     graph: str = "auto"                  # auto | cuda | compile | eager: how bucketed steps run
     max_graph_tokens: int = 512          # largest bucket; larger steps (long prefills) run unpadded
     graph_fallback: bool = False         # a failed capture runs that bucket eagerly (else: error)
+    generation_config: str = "auto"      # auto: the model's recommended sampling; vllm: built-ins
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -149,6 +150,8 @@ class EngineConfig:
         self.spec.resolve_embedded(self.model)
         if self.graph not in ("auto", "cuda", "compile", "eager"):
             raise ValueError(f"graph must be one of auto, cuda, compile, eager; got {self.graph!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.max_graph_tokens < 1:
             raise ValueError(f"max_graph_tokens must be >= 1, got {self.max_graph_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:

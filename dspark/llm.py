@@ -43,6 +43,14 @@ class LLM:
         """Stop a data-parallel group's ranks (nothing to do for one engine)."""
         self.engine.close()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's recommended sampling (generation_config.json or GGUF metadata), as the
+        server applies it to unset request fields; `SamplingParams()` stays the neutral default.
+        With generation_config="vllm", the built-in defaults."""
+        from dspark.generation_config import default_sampling_params
+        config = self.engine.config
+        return default_sampling_params(config.model, config.generation_config)
+
     def generate(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# One position's log-probabilities as vLLM returns them: token id -> log-prob under the target's
+# raw logits (before temperature or truncation), the chosen token first, then the top ones.
+TokenLogprobs = dict[int, float]
+
 
 @dataclass
 class RequestMetrics:
@@ -81,3 +85,5 @@ class RequestOutput:
     new_text: str = ""                 # text added since the previous output (streaming)
     new_token_ids: list[int] = field(default_factory=list)
     error: str | None = None           # why the engine failed this request (finish_reason "error")
+    logprobs: list[TokenLogprobs] | None = None       # per generated token (params.logprobs set)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # per prompt token, the first None

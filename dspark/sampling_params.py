@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 # Below this a temperature is greedy (as in vLLM): dividing fp32 logits by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
+# The most top log-probabilities a request may ask for per token (OpenAI's and vLLM's bound).
+MAX_LOGPROBS = 20
 
 
 class ParamError(ValueError):
@@ -34,6 +36,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None          # top log-probs per generated token (0: the chosen one's only)
+    prompt_logprobs: int | None = None   # top log-probs per prompt token (the first has none)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +62,10 @@ class SamplingParams:
                "stop strings must be non-empty strings")
         _check("stop_token_ids", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(name, value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def greedy(self) -> bool:

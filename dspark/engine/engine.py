@@ -28,6 +28,7 @@ from dspark.spec.planner import CostTable
 from dspark.worker.inputs import RequestChunk
 from dspark.worker.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
 from dspark.worker.kv_cache import bytes_per_block, num_blocks_for_budget
+from dspark.worker.logprobs import prompt_logprob_rows
 from dspark.worker.profile import ProfileConfig
 from dspark.worker.step_key import StepKey
 from dspark.worker.worker import StepResult, Worker, WorkerBatch
@@ -298,7 +299,7 @@ class Engine:
         return self.worker.execute(prepared.batch, key)       # ends in the step's one host copy
 
     def _worker_batch(self, sched: SchedulerOutput) -> WorkerBatch:
-        chunks, params, gens, spec, request_ids = [], [], [], [], []
+        chunks, params, gens, spec, request_ids, prompt_lp = [], [], [], [], [], []
         for s in sched.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             if s.spec:      # the anchor, then ℓ rows the drafter fills on the device
@@ -306,18 +307,24 @@ class Engine:
             else:
                 ids = [seq.token_at(p) for p in range(start, start + s.num_new_tokens)]
             num_logits = (1 + s.verify_len if s.spec else 1) if s.sample else 0
-            chunks.append(RequestChunk(ids, start, seq.block_table, num_logits))
+            want = prompt_logprob_rows(len(chunks), seq.prompt_token_ids, seq.prompt_logprobs, start,
+                                       len(ids), seq.params.prompt_logprobs)
+            prompt_lp += [want] if want else []
+            rows = want.rows if want else range(0)          # prompt log-probs, when asked
+            chunks.append(RequestChunk(ids, start, seq.block_table, num_logits, rows))
             if s.sample:
                 params.append(seq.params)
                 gens.append(seq.generator)
                 spec.append(s.spec)
                 request_ids.append(seq.request_id)
         return WorkerBatch(chunks, params, gens, spec, request_ids=request_ids,
-                           released_blocks=self.block_manager.take_released())
+                           released_blocks=self.block_manager.take_released(), prompt_logprobs=prompt_lp)
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs, now, k, j = [], time.perf_counter(), 0, 0
-        for s in sched.scheduled:
+        for c, s in enumerate(sched.scheduled):
+            if result.prompt_logprobs and c in result.prompt_logprobs:
+                s.seq.prompt_logprobs += result.prompt_logprobs[c]
             if not s.sample:
                 s.seq.num_computed_tokens += s.num_new_tokens
                 continue
@@ -343,7 +350,7 @@ class Engine:
             seq.num_computed_tokens += s.num_new_tokens
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
-        reason = self.output_processor.append(seq, tokens)
+        reason = self.output_processor.append(seq, tokens, result.logprobs and result.logprobs.get(k))
         if reason is not None:
             self._finish(seq, reason)
         return self.output_processor.output(seq)

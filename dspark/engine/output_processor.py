@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dspark.engine.sequence import Sequence
-from dspark.outputs import RequestOutput
+from dspark.outputs import RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from dspark.tokenizer import Tokenizer
@@ -22,10 +22,14 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._offsets: dict[str, tuple[int, int]] = {}
 
-    def append(self, seq: Sequence, tokens: list[int]) -> str | None:
-        """Append tokens until one finishes the request; return the finish reason or None."""
-        for token in tokens:
+    def append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None = None
+               ) -> str | None:
+        """Append tokens (with their log-probs, when the request asked) until one finishes the
+        request; return the finish reason or None."""
+        for i, token in enumerate(tokens):
             seq.output_token_ids.append(token)
+            if seq.output_logprobs is not None and logprobs:
+                seq.output_logprobs.append(logprobs[i])
             reason = self._check_token(seq, token)
             if self.tokenizer is not None:
                 before = len(seq.output_text)
@@ -49,7 +53,9 @@ class OutputProcessor:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             text=seq.output_text, token_ids=list(seq.output_token_ids), finished=seq.is_finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, metrics=seq.metrics,
-            spec=seq.spec, new_text=new_text, new_token_ids=new_ids)
+            spec=seq.spec, new_text=new_text, new_token_ids=new_ids,
+            logprobs=None if seq.output_logprobs is None else list(seq.output_logprobs),
+            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))
 
     def release(self, seq: Sequence) -> None:
         self._offsets.pop(seq.request_id, None)

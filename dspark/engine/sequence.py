@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from dspark.outputs import RequestMetrics, SpecStats
+from dspark.outputs import RequestMetrics, SpecStats, TokenLogprobs
 from dspark.sampling_params import SamplingParams
 
 
@@ -36,6 +36,10 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.output_text = ""
+        # log-probs collected so far, when asked for (kept across preemption: never recomputed)
+        self.output_logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if params.prompt_logprobs is None else [None])
         self.sent_text_len = 0
         self.sent_token_len = 0
 

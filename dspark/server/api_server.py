@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncEngine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming or not), GET /v1/models,
-POST /tokenize, GET /health, GET /metrics.  Every error answers with an OpenAI error body; see
-`errors.py` for the shape.  Status codes: 400 bad input (types, values, unsupported parameters,
-prompt over the context, chat template errors), 404 unknown model or route, 429 queue full,
+GET /health, GET /metrics, and (extra_routes.py) POST /tokenize, POST /detokenize, GET /version.
+Every error answers with an OpenAI error body; see `errors.py` for the shape.  Status codes: 400
+bad input (types, values, unsupported parameters, prompt over the context, chat template errors),
+401 missing or wrong API key (auth.py), 404 unknown model or route, 429 queue full,
 500 engine failure, 503 engine not running or the server shutting down (code
 "server_shutting_down"); a client that leaves gets its requests aborted.
 """
@@ -17,7 +18,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -27,17 +28,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dspark.config import EngineConfig
 from dspark.engine.engine import Engine
+from dspark.generation_config import describe, sampling_defaults
 from dspark.sampling_params import SamplingParams
 from dspark.server.async_engine import (AsyncEngine, EngineNotRunning, QueueFull, RequestFailed,
                                          RequestStream, ServerShuttingDown)
-from dspark.server.errors import APIError, install_error_handlers
+from dspark.server.auth import ApiKeyAuth
 from dspark.server.body_limit import BodyLimit
+from dspark.server.chat_template import install_chat_template, load_chat_template
+from dspark.server.errors import APIError, install_error_handlers
+from dspark.server.extra_routes import add_extra_routes
 from dspark.server.limits import ServerLimits
+from dspark.server.logprobs import ChatFormat, CompletionFormat
 from dspark.server.metrics import RequestCounter, ServerMetrics
+from dspark.server.request_id import RequestIdHeader
+from dspark.server.vllm_metrics import VllmMetrics
 from dspark.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                    ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                                    CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
-                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+                                    ChatCompletionRequest, ChatCompletionResponse, CompletionChunk,
+                                    CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList)
 from dspark.server.serving import (SHUTTING_DOWN, ChunkBuilder, chat_prompt, check_chat, check_completion,
                                    checked_prompt, collect, completion_prompts, refusal, sampling_params,
                                    spec_info, stream_sse, usage)
@@ -96,15 +103,21 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class ServerState:
-    """What the routes share: the engine front, the served name and the metrics."""
+    """What the routes share: the engine front, the served names (the first is the one responses
+    report), the sampling defaults unset request fields take, and the metrics."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics,
-                 limits: ServerLimits):
+    def __init__(self, async_engine: AsyncEngine, served_model_names: Sequence[str],
+                 metrics: ServerMetrics, limits: ServerLimits,
+                 sampling_defaults: dict[str, float | int] | None = None):
+        if not served_model_names:
+            raise ValueError("at least one served model name is required")
         self.async_engine = async_engine
         self.engine = async_engine.engine
-        self.served_model_name = served_model_name
+        self.served_model_names = list(served_model_names)
+        self.served_model_name = self.served_model_names[0]
         self.metrics = metrics
         self.limits = limits
+        self.sampling_defaults = dict(sampling_defaults or {})
 
     def checked_prompts(self, prompts: list[str | list[int]], params: SamplingParams,
                         param: str) -> list[list[int]]:
@@ -113,9 +126,10 @@ class ServerState:
         return [checked_prompt(self.engine.check_request, p, params, param) for p in prompts]
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                           f"'{self.served_model_name}'", param="model", code="model_not_found")
+        if model is not None and model not in self.served_model_names:
+            names = ", ".join(f"'{name}'" for name in self.served_model_names)
+            raise APIError(404, f"the model '{model}' does not exist; this server serves {names}",
+                           param="model", code="model_not_found")
 
     async def submit(self, prompts: list[str | list[int]], params: SamplingParams, base_id: str,
                      prompt_param: str) -> list[RequestStream]:
@@ -170,22 +184,33 @@ def default_served_name(model: str | None) -> str:
     return name
 
 
-def build_app(engine: Engine | EngineConfig, served_model_name: str | None = None,
+def build_app(engine: Engine | EngineConfig, served_model_name: str | Sequence[str] | None = None,
               max_queue: int | None = 256,
               on_fatal: Callable[[BaseException], None] | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, api_key: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
     """The app owns an engine thread from startup to shutdown (FastAPI lifespan). A config with
     data_parallel_size > 1 starts a group whose rank 0 runs here. `on_fatal` is called when
-    the engine can no longer serve (a data-parallel rank failed): the launcher exits non-zero."""
-    if isinstance(engine, EngineConfig):
-        engine = start_engine(engine)
+    the engine can no longer serve (a data-parallel rank failed): the launcher exits non-zero.
+    `served_model_name`: one name or several, all accepted; `api_key`: required on the API
+    routes; `chat_template`: a Jinja file or inline template replacing the model's."""
+    config = engine if isinstance(engine, EngineConfig) else engine.config
+    names = _served_names(served_model_name, config.model)      # bad settings fail before loading
+    if api_key is not None and not api_key:
+        raise ValueError("the API key must not be empty")
+    template = load_chat_template(chat_template) if chat_template is not None else None
+    defaults = sampling_defaults(config.model, config.generation_config)
+    # a warning when the model's values apply, as vLLM does: they change what unset fields mean
+    level = logging.WARNING if defaults else logging.INFO
+    logger.log(level, "%s", describe(defaults, config.generation_config))
+    engine = _started(engine, template)
     limits = limits or ServerLimits()
     gamma = engine.drafter.config.block_size if engine.drafter is not None else 0
     metrics = ServerMetrics(gamma)
-    async_engine = AsyncEngine(engine, max_queue, observers=[metrics], on_fatal=on_fatal,
+    observers = [metrics, VllmMetrics(metrics.registry, names[0], gamma)]
+    async_engine = AsyncEngine(engine, max_queue, observers=observers, on_fatal=on_fatal,
                                max_pending_outputs=limits.max_pending_outputs)
-    state = ServerState(async_engine, served_model_name or default_served_name(engine.config.model),
-                        metrics, limits)
+    state = ServerState(async_engine, names, metrics, limits, defaults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -202,10 +227,42 @@ def build_app(engine: Engine | EngineConfig, served_model_name: str | None = Non
     app.state.server = state
     install_error_handlers(app)
     app.add_exception_handler(ClientGone, _client_gone)
-    app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)
-    app.add_middleware(RequestCounter, metrics=metrics)
+    _add_middleware(app, limits, metrics, api_key)
     _add_routes(app, state, gamma)
+    add_extra_routes(app, state)
     return app
+
+
+def _started(engine: Engine | EngineConfig, template: str | None) -> Engine:
+    """The engine (started here from a config), rendering chats with `template` if given."""
+    owned = isinstance(engine, EngineConfig)
+    if isinstance(engine, EngineConfig):
+        engine = start_engine(engine)
+    if template is not None:
+        try:
+            install_chat_template(engine.tokenizer, template)
+        except ValueError:
+            if owned:               # a data-parallel group's ranks must not outlive the error
+                engine.close()
+            raise
+    return engine
+
+
+def _add_middleware(app: FastAPI, limits: ServerLimits, metrics: ServerMetrics, api_key: str | None) -> None:
+    """The last added runs first: the request id outermost (every answer carries it), then the
+    counter (refusals count too), the key check, and the body limit (strangers learn nothing)."""
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestIdHeader)
+
+
+def _served_names(given: str | Sequence[str] | None, model: str | None) -> list[str]:
+    names = [given] if isinstance(given, str) else list(given or [])
+    if any(not name for name in names):
+        raise ValueError("served model names must not be empty")
+    return names or [default_served_name(model)]
 
 
 def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
@@ -224,35 +281,27 @@ def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=state.served_model_name, max_model_len=state.engine.max_model_len,
-                         speculative=gamma > 0, gamma=gamma)
-        return ModelList(data=[card])
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        state.check_model(body.model)
-        if state.engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer", param="prompt")
-        ids = await asyncio.to_thread(state.engine.tokenizer.encode, body.prompt)
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.engine.max_model_len)
+        return ModelList(data=[ModelCard(id=name, max_model_len=state.engine.max_model_len,
+                                         speculative=gamma > 0, gamma=gamma)
+                               for name in state.served_model_names])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
         check_completion(body, state.limits)
         max_tokens = body.max_tokens if body.max_tokens is not None else state.engine.max_model_len
-        params = sampling_params(body, max_tokens, "max_tokens")
+        params = sampling_params(body, max_tokens, "max_tokens", state.sampling_defaults)
         prompts = completion_prompts(body, state.limits)
         ids = await asyncio.to_thread(state.checked_prompts, prompts, params, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await state.submit(ids, params, request_id, "prompt")
+        fmt = CompletionFormat(body, state.engine.tokenizer)           # echo and log-probs
         if body.stream:
-            builder = _completion_chunks(request_id, state.served_model_name)
+            builder = _completion_chunks(request_id, state.served_model_name, fmt)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return SSEResponse(stream_sse(streams, builder, include_usage))
-        finals = await _collect(request, streams)
-        choices = [CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason,
-                                    stop_reason=o.stop_reason) for i, o in enumerate(finals)]
+        finals = [fmt.view(o) for o in await _collect(request, streams)]
+        choices = [fmt.choice(i, o) for i, o in enumerate(finals)]
         return CompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
                                   usage=usage(finals), dspark=spec_info([o.spec for o in finals]))
 
@@ -263,17 +312,18 @@ def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = sampling_params(body, max_tokens if max_tokens is not None else state.engine.max_model_len,
-                                 param)
+                                 param, state.sampling_defaults)
         prompt = await asyncio.to_thread(chat_prompt, body, state.engine.tokenizer)
         ids = await asyncio.to_thread(state.checked_prompts, [prompt], params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await state.submit(ids, params, request_id, "messages")
+        fmt = ChatFormat(body, state.engine.tokenizer)                 # log-probs
         if body.stream:
-            builder = _chat_chunks(request_id, state.served_model_name)
+            builder = _chat_chunks(request_id, state.served_model_name, fmt)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return SSEResponse(stream_sse(streams, builder, include_usage))
         final = (await _collect(request, streams))[0]
-        choice = ChatChoice(index=0, message=AssistantMessage(content=final.text),
+        choice = ChatChoice(index=0, message=AssistantMessage(content=final.text), logprobs=fmt.whole(final),
                             finish_reason=final.finish_reason, stop_reason=final.stop_reason)
         return ChatCompletionResponse(id=request_id, model=state.served_model_name, choices=[choice],
                                       usage=usage([final]), dspark=spec_info([final.spec]))
@@ -291,28 +341,29 @@ async def _client_gone(request: Request, exc: ClientGone) -> Response:
     return Response(status_code=499)       # nobody reads it; the nginx convention for the log
 
 
-def _completion_chunks(request_id: str, model: str) -> ChunkBuilder:
+def _completion_chunks(request_id: str, model: str, fmt: CompletionFormat) -> ChunkBuilder:
     created = int(time.time())
 
-    def make(index: int, text: str, final, first: bool) -> CompletionChunk:
-        choice = CompletionChoice(index=index, text=text, finish_reason=final and final.finish_reason,
-                                  stop_reason=final and final.stop_reason)
+    def make(index: int, text: str, output, first: bool) -> CompletionChunk:
+        choice = fmt.chunk_choice(index, text, output, first)
         return CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
-                               dspark=spec_info([final.spec]) if final else None)
+                               dspark=spec_info([output.spec]) if output.finished else None)
 
     def make_usage(finals) -> CompletionChunk:
         return CompletionChunk(id=request_id, created=created, model=model, choices=[],
                                usage=usage(finals), dspark=spec_info([o.spec for o in finals]))
 
-    return ChunkBuilder(make, make_usage)
+    return ChunkBuilder(make, make_usage, announce=fmt.echo, view=fmt.view)
 
 
-def _chat_chunks(request_id: str, model: str) -> ChunkBuilder:
+def _chat_chunks(request_id: str, model: str, fmt: ChatFormat) -> ChunkBuilder:
     created = int(time.time())
 
-    def make(index: int, text: str, final, first: bool) -> ChatCompletionChunk:
+    def make(index: int, text: str, output, first: bool) -> ChatCompletionChunk:
+        final = output if output.finished else None
         delta = DeltaMessage(role="assistant" if first else None, content=text if text or first else None)
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=final and final.finish_reason)
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=fmt.delta(output),
+                                 finish_reason=final and final.finish_reason)
         return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                    dspark=spec_info([final.spec]) if final else None)
 

@@ -52,7 +52,12 @@ ENGINE_ARGS: list[tuple[str, dict]] = [
     ("--min-gain", dict(type=float, default=0.05,
                         help="trim verification only for this predicted gain in tokens/s")),
     ("--confidence-lag", dict(type=int, default=2, help="rounds between a confidence and its use")),
+    ("--generation-config", dict(default="auto", choices=["auto", "vllm"],
+                                 help="auto: request fields left unset take the model's recommended "
+                                      "sampling (generation_config.json, or the GGUF's "
+                                      "general.sampling.* metadata); vllm: the built-in defaults")),
 ]
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
 def add_missing_argument(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
@@ -65,8 +70,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         add_missing_argument(parser, flag, **kwargs)
     add_missing_argument(parser, "--host", default="127.0.0.1")
     add_missing_argument(parser, "--port", type=int, default=8000)
-    add_missing_argument(parser, "--served-model-name", default=None,
-                         help="model name clients send (default: the model file or folder name)")
+    add_missing_argument(parser, "--served-model-name", nargs="+", default=None,
+                         help="model names clients may send; responses report the first "
+                              "(default: the model file or folder name)")
+    add_missing_argument(parser, "--api-key", default=None,
+                         help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                              "/detokenize (401 otherwise); /health, /metrics, /version stay open")
+    add_missing_argument(parser, "--chat-template", default=None,
+                         help="a Jinja chat template file, or the template itself, replacing "
+                              "the model's")
+    add_missing_argument(parser, "--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                         help="uvicorn's own log level (its access log shows at info)")
     add_missing_argument(parser, "--max-queue", type=int, default=256,
                          help="waiting requests beyond this are refused with HTTP 429")
     add_missing_argument(parser, "--shutdown-timeout", type=_seconds, default=30.0,
@@ -118,6 +132,7 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":
                         cost_table=getattr(args, "cost_table", None),
                         min_gain=getattr(args, "min_gain", 0.05),
                         confidence_lag=getattr(args, "confidence_lag", 2),
+                        generation_config=getattr(args, "generation_config", "auto"),
                         data_parallel_size=getattr(args, "dp", 1),
                         dp_timeout_s=getattr(args, "dp_timeout", 30.0))
 
@@ -139,10 +154,11 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = rank.start() if rank is not None else None
     app = build_app(engine if engine is not None else config, served_model_name=args.served_model_name,
                     max_queue=args.max_queue, on_fatal=lambda exc: _exit_server(holder),
-                    limits=limits_from_args(args))
-    level = "info" if logging.getLogger().isEnabledFor(logging.INFO) else "warning"
+                    limits=limits_from_args(args), api_key=getattr(args, "api_key", None),
+                    chat_template=getattr(args, "chat_template", None))
     grace_s = getattr(args, "shutdown_timeout", 30.0)
-    server_config = graceful_config(app, grace_s, host=args.host, port=args.port, log_level=level)
+    server_config = graceful_config(app, grace_s, host=args.host, port=args.port,
+                                    log_level=getattr(args, "uvicorn_log_level", "info"))
     server = DrainingServer(server_config, lambda: app.state.server.async_engine.drain(grace_s))
     holder["server"] = server
     server.run()

@@ -3,6 +3,7 @@
 Each server owns its own CollectorRegistry, so several servers (tests, a benchmark launching one
 in-process) never collide on the process-global default registry.  Engine-side metrics are fed
 by the engine thread through the `EngineObserver` hooks; prometheus_client is thread-safe.
+The same facts under vLLM's names (`vllm:*`) are in `vllm_metrics.py`, on the same registry.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dspark.server.async_engine import EngineState, StepReport
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 VERIFY_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize"}
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+             "/detokenize", "/version"}
 
 
 class ServerMetrics:

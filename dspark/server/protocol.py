@@ -90,7 +90,7 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: StrictInt | None = 16
+    max_tokens: StrictInt | None = 16                # 0 with echo: the prompt (and its log-probs) only
     echo: StrictBool | None = None
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
@@ -127,9 +127,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = None
     add_generation_prompt: StrictBool | None = None
     parallel_tool_calls: StrictBool | None = None    # no effect without tools
-    # not implemented: refused unless neutral (unsupported.py)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = None            # needs logprobs: true
+    # not implemented: refused unless neutral (unsupported.py)
     echo: StrictBool | None = None
     tools: list[Any] | None = None
     tool_choice: Text | dict[str, Any] | None = None
@@ -146,8 +146,17 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Request):
+    """vLLM's two forms: a `prompt`, or chat `messages` rendered through the chat template."""
     model: Text | None = None
-    prompt: Text
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool | None = None      # chat form; default true
+    add_special_tokens: StrictBool | None = None         # default: true for a prompt, false for chat
+
+
+class DetokenizeRequest(_Request):
+    model: Text | None = None
+    tokens: TokenIds
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -174,10 +183,18 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape, one entry per token (the first prompt token's are null)."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -198,10 +215,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -225,7 +256,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -269,6 +300,10 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

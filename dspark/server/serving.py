@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import ParamError, SamplingParams
 from dspark.server.async_engine import EngineNotRunning, RequestFailed, RequestStream, ServerShuttingDown
 from dspark.server.errors import APIError
 from dspark.server.limits import LimitExceeded, ServerLimits
+from dspark.server.logprobs import logprob_params, prompt_only
 from dspark.server.request_stream import ReaderTooSlow
 from dspark.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields,
                                     SpecStatsInfo, Usage)
@@ -55,16 +57,19 @@ def _stops(req: SamplingFields) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_param: str) -> SamplingParams:
-    """Unset (or null) OpenAI fields keep SamplingParams' defaults; a bad value is a 400 naming
-    the field."""
-    kwargs: dict = dict(seed=req.seed, stop=_stops(req), stop_token_ids=list(req.stop_token_ids or []))
+def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_param: str,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """Unset (or null) OpenAI fields take the model's recommended `defaults` (generation_config.py)
+    and else SamplingParams' own; a bad value is a 400 naming the field."""
+    kwargs: dict = dict(defaults or {}, seed=req.seed, stop=_stops(req),
+                        stop_token_ids=list(req.stop_token_ids or []))
     for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "skip_special_tokens"):
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
-    if max_tokens is not None:
-        kwargs["max_tokens"] = max_tokens
+    kwargs.update(logprob_params(req))
+    if max_tokens is not None:        # echo with max_tokens 0: one token, dropped (logprobs.py)
+        kwargs["max_tokens"] = 1 if prompt_only(req, max_tokens) else max_tokens
     try:
         return SamplingParams(**kwargs)
     except ParamError as exc:
@@ -196,11 +201,13 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
 @dataclass
 class ChunkBuilder:
     """Builds one SSE payload (a pydantic chunk) per choice update; set by each endpoint.
-    `make(index, text, final output or None, first)`; `announce`: a choice's first output is sent
-    even without text (chat: the role arrives with the first token, not before prefill)."""
-    make: Callable[[int, str, RequestOutput | None, bool], object]
+    `make(index, new text, output, first)`; `announce`: a choice's first output is sent even
+    without text (chat: the role arrives with the first token, not before prefill; an echo: the
+    prompt); `view`: what the client sees of each output (logprobs.CompletionFormat.view)."""
+    make: Callable[[int, str, RequestOutput, bool], object]
     make_usage: Callable[[list[RequestOutput]], object]
     announce: bool = False
+    view: Callable[[RequestOutput], RequestOutput] | None = None
 
 
 def sse(payload: object) -> str:
@@ -220,11 +227,11 @@ async def stream_sse(streams: list[RequestStream], builder: ChunkBuilder,
     started: set[int] = set()
     try:
         async for index, output in merge_streams(streams):
+            output = builder.view(output) if builder.view is not None else output
             first = index not in started
             if output.finished or output.new_text or (first and builder.announce):
                 started.add(index)
-                final = output if output.finished else None
-                yield sse(builder.make(index, output.new_text, final, first))
+                yield sse(builder.make(index, output.new_text, output, first))
             if output.finished:
                 finals[index] = output
         if include_usage:

@@ -48,7 +48,8 @@ SHARED: dict[str, tuple[Neutral, str]] = {
     "allowed_token_ids": (_NONE, "allowed_token_ids is not implemented"),
     "include_stop_str_in_output": (_FALSE, "the stop string is always left out of the output"),
     "truncate_prompt_tokens": (_NONE, "prompt truncation is not implemented"),
-    "prompt_logprobs": (_NONE, "log probabilities are not implemented"),
+    "prompt_logprobs": (_NONE, "prompt log-probabilities are returned only through 'echo' with "
+                               "'logprobs' on /v1/completions"),
     "spaces_between_special_tokens": (_is(None, True), "special tokens are always decoded as is"),
     "response_format": (lambda v: v is None or v == {"type": "text"},
                         "only plain text responses are implemented"),
@@ -60,8 +61,6 @@ SHARED: dict[str, tuple[Neutral, str]] = {
 }
 
 COMPLETION: dict[str, tuple[Neutral, str]] = {
-    "echo": (_FALSE, "echoing the prompt is not implemented"),
-    "logprobs": (_NONE, "log probabilities are not implemented"),
     "best_of": (_is(None, 1), "only best_of=1 is supported"),
     "suffix": (_empty, "insertion (suffix) is not implemented"),
     "add_special_tokens": (_is(None, True), "completion prompts are always tokenized with special "
@@ -69,8 +68,6 @@ COMPLETION: dict[str, tuple[Neutral, str]] = {
 }
 
 CHAT: dict[str, tuple[Neutral, str]] = {
-    "logprobs": (_FALSE, "log probabilities are not implemented"),
-    "top_logprobs": (_is(None, 0), "log probabilities are not implemented"),
     "echo": (_FALSE, "echoing the prompt is not implemented"),
     "tools": (_empty, "tool calling is not implemented"),
     "tool_choice": (_is(None, "none", "auto"), "tool calling is not implemented"),

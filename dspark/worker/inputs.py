@@ -17,6 +17,7 @@ class RequestChunk:
     start: int                  # position of token_ids[0] (= tokens already in the cache)
     block_table: list[int]
     num_logits: int             # logits rows wanted, taken from the end of the chunk (0: none)
+    prompt_rows: range = range(0)   # rows whose logits also come back, before those (prompt log-probs)
 
 
 @dataclass
@@ -38,7 +39,8 @@ def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.devi
     indptr = [0]
     for q in q_lens:
         indptr.append(indptr[-1] + q)
-    logits = [i for c, end in zip(chunks, indptr[1:]) for i in range(end - c.num_logits, end)]
+    logits = [i for c, begin, end in zip(chunks, indptr, indptr[1:])
+              for i in (*(begin + r for r in c.prompt_rows), *range(end - c.num_logits, end))]
     tables = _padded_tables(chunks)
     slots = torch.tensor(_slots(chunks, block_size), dtype=torch.long)                # -1: no write
     every_row = [c.num_logits == len(c.token_ids) for c in chunks]          # decode and verify rows

@@ -16,6 +16,7 @@ from dspark.models.drafter import Drafter
 from dspark.models.layers.cpu_kernels import greedy_tokens
 from dspark.models.llama import CausalLM, ModelOutput
 from dspark.models.model_config import ModelConfig
+from dspark.outputs import TokenLogprobs
 from dspark.sampling_params import SamplingParams
 from dspark.spec.allocate import allocate
 from dspark.spec.draft import append_context, propose
@@ -27,6 +28,7 @@ from dspark.worker.draft_graphs import DraftGraphs, build_draft_graphs
 from dspark.worker.graphs import StepGraphs, dummy_metadata
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
+from dspark.worker.logprobs import LogprobCollector, PromptLogprobRows, split_logits
 from dspark.worker.ragged import row_layout, trim_inputs, untrim_logits
 from dspark.worker.sampler import SamplingTensors, sample
 from dspark.worker.step_key import StepKey
@@ -43,6 +45,7 @@ class WorkerBatch:
     verify_budget: int | None = None              # drafts to verify in total (None: all of them)
     request_ids: list[str] | None = None          # per sampling chunk (dummy rows are told apart)
     released_blocks: list[int] | None = None      # KV blocks freed since the last step
+    prompt_logprobs: list[PromptLogprobRows] | None = None   # chunks returning prompt log-probs
 
 
 @dataclass
@@ -52,6 +55,9 @@ class StepResult:
     confidence_logits: list[list[float]] | None = None   # per spec chunk: z_k
     spec_rows: list[bool] | None = None           # per sampling chunk: was it speculative
     verify_lens: list[int] | None = None          # per sampling chunk: drafts verified (0 if plain)
+    logprobs: dict[int, list[TokenLogprobs]] | None = None          # per sampling chunk that asked:
+                                                  #   one entry per row (anchor + γ for a block)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None   # per chunk that asked
 
 
 class Worker:
@@ -107,7 +113,7 @@ class Worker:
         if self.drafter is not None:
             self._append_context(out.aux_hidden, inputs, drafted=bool(spec_idx))
         logits = out.logits if logits_keep is None else untrim_logits(out.logits, logits_keep, num_logits)
-        return self._accept(logits, sampling, batch.spec, spec_idx, proposal, st, lens)
+        return self._accept(logits, batch, sampling, spec_idx, proposal, st, lens)
 
     def _append_context(self, aux_hidden: torch.Tensor, inputs: StepInputs, drafted: bool) -> None:
         """The step's rows into the drafter's context: now after a drafting step (the next one
@@ -227,15 +233,19 @@ class Worker:
             index = torch.tensor(rows, device=self.device)
             inputs.input_ids.index_copy_(0, index, drafts.flatten()[torch.tensor(src, device=self.device)])
 
-    def _accept(self, logits, sampling, spec_flags, spec_idx, proposal, st, lens) -> StepResult:
-        if not sampling:             # only prefill chunks that do not reach a prompt's end
-            return StepResult(tokens=[], num_accepted=[], spec_rows=[])
+    def _accept(self, logits, batch, sampling, spec_idx, proposal, st, lens) -> StepResult:
+        logits, prompt_logits = split_logits(logits, batch.chunks)
+        wanted = LogprobCollector()
+        if prompt_logits is not None:
+            wanted.add_prompt(prompt_logits, batch.prompt_logprobs)
         counts = [c.num_logits for c in sampling]
-        plain_idx = [i for i, s in enumerate(spec_flags) if not s]
+        plain_idx = [i for i, s in enumerate(batch.spec) if not s]
         parts = []
         if plain_idx:
             last = torch.tensor(_last_rows(counts, plain_idx), device=self.device)
-            parts.append(sample(logits[last], st.select(plain_idx)))
+            tokens = sample(logits[last], st.select(plain_idx))
+            parts.append(tokens)
+            self._want(wanted, batch.params, plain_idx, logits, last, tokens)
         if spec_idx:
             width = proposal.tokens.shape[1] + 1
             block_rows = torch.tensor(_block_rows(counts, spec_idx, width), device=self.device)  # [R, γ+1]
@@ -247,8 +257,27 @@ class Worker:
             parts += [res.num_accepted, lens, res.tokens.flatten()]
             if proposal.confidence_logits is not None:
                 parts.append(proposal.confidence_logits.flatten())
-        flat = torch.cat([p.float() for p in parts]).tolist()    # the step's one device -> host copy
-        return _unpack(flat, spec_flags, plain_idx, spec_idx, proposal)
+            self._want(wanted, batch.params, spec_idx, logits, block_rows, res.tokens)
+        if not parts and not wanted.parts:   # only prefill chunks that do not reach a prompt's end
+            return StepResult(tokens=[], num_accepted=[], spec_rows=[])
+        flat = torch.cat([p.float() for p in parts + wanted.parts]).tolist()   # the step's one copy
+        result = _unpack(flat, batch.spec, plain_idx, spec_idx, proposal)
+        if wanted.groups:
+            result.logprobs, result.prompt_logprobs = wanted.unpack(flat[len(flat) - wanted.size:])
+        return result
+
+    @staticmethod
+    def _want(wanted: LogprobCollector, params: list[SamplingParams], chunks: list[int],
+              logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The log-probs of the sampling `chunks` that ask for them, from their logits `rows`
+        ([R] plain, [R, γ+1] blocks) and committed tokens (same shape; row j of a block
+        commits token j). Nothing is gathered when none of them asks."""
+        asking = [j for j, i in enumerate(chunks) if params[i].logprobs is not None]
+        if not asking:
+            return
+        pick = torch.tensor(asking, device=logits.device)
+        wanted.add(logits[rows.index_select(0, pick).flatten()], tokens.index_select(0, pick).flatten(),
+                   [chunks[j] for j in asking], [params[chunks[j]].logprobs for j in asking])
 
 
 def _chunk_starts(counts: list[int]) -> list[int]:

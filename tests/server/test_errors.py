@@ -34,8 +34,8 @@ COMPLETION_CASES = [
     (dict(prompt=[1, 99999]), 400, "prompt", "token ids must be in [0, 128)"),
     (dict(prompt=LONG), 400, "prompt", "more than the context allows"),
     (dict(n=2), 400, "n", "only n=1"),
-    (dict(logprobs=1), 400, "logprobs", "not supported"),
-    (dict(echo=True), 400, "echo", "not supported"),
+    (dict(logprobs=-1), 400, "logprobs", "logprobs must be null or an integer in [0, 20]"),
+    (dict(echo=True, max_tokens=0, logprobs=21), 400, "logprobs", "[0, 20]"),
     (dict(best_of=3), 400, "best_of", "not supported"),
     (dict(presence_penalty=0.5), 400, "presence_penalty", "not supported"),
     (dict(stream_options={"include_usage": True}), 400, "stream_options", "only allowed when"),
@@ -51,7 +51,8 @@ CHAT_CASES = [
     (dict(max_completion_tokens=0), 400, "max_completion_tokens", "max_completion_tokens must be"),
     (dict(messages=[{"role": "user", "content": LONG}]), 400, "messages", "more than the context"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
-    (dict(logprobs=True), 400, "logprobs", "not supported"),
+    (dict(top_logprobs=50, logprobs=True), 400, "top_logprobs", "top_logprobs must be"),
+    (dict(extra_body={"echo": True}), 400, "echo", "not supported"),
     (dict(model="nope"), 404, "model", "does not exist"),
 ]
 

@@ -81,7 +81,7 @@ REFUSED = [
     (chat(chat_template_kwargs={"enable_thinking": True}), "chat_template_kwargs", "not supported"),
     (chat(continue_final_message=True), "continue_final_message", "not supported"),
     (chat(chat_template="{{ messages }}"), "chat_template", "not supported"),
-    (chat(top_logprobs=2), "top_logprobs", "not supported"),
+    (chat(top_logprobs=2), "top_logprobs", "needs 'logprobs': true"),
     (chat(messages=[{"role": "assistant", "content": None,
                      "tool_calls": [{"id": "1", "type": "function",
                                      "function": {"name": "f", "arguments": "{}"}}]}]),
@@ -193,7 +193,7 @@ def test_bad_request_beside_running_ones_harms_none(served, client):
 
 def test_chat_stream_sends_the_role_with_the_first_token(served):
     """No chunk before the first token: a role chunk ahead of prefill made every TTFT near zero."""
-    body = json.dumps(chat(stream=True, max_tokens=4, ignore_eos=True)).encode()
+    body = json.dumps(chat(stream=True, max_tokens=4, ignore_eos=True, temperature=0)).encode()
     sock = socket.create_connection(("127.0.0.1", served.thread.port), timeout=30)
     with gated(served.state.engine) as gate:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
