@@ -7,9 +7,14 @@ import argparse
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
+from dspark.config_flags import add_engine_flags, engine_config_from_args
 from dspark.outputs import SpecStats
 from dspark.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dspark.llm import LLM
 
 
 def format_spec_stats(stats: SpecStats) -> str:
@@ -23,12 +28,6 @@ def format_spec_stats(stats: SpecStats) -> str:
             + (f", undrafted steps {stats.undrafted_steps}" if stats.undrafted_steps else ""))
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    from dspark.server.launch import ENGINE_ARGS, add_missing_argument
-    for flag, kwargs in ENGINE_ARGS:
-        add_missing_argument(p, flag, **kwargs)
-
-
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -40,9 +39,8 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def _llm(args):
+def _llm(args: argparse.Namespace) -> "LLM":
     from dspark.llm import LLM
-    from dspark.server.launch import engine_config_from_args
     return LLM.from_config(engine_config_from_args(args))
 
 
@@ -101,9 +99,7 @@ def eval_prompts(data_dir: str | None, tokenizer, limit: int) -> dict[str, list[
 
 def cmd_calibrate(args) -> None:
     from dspark.calibrate import run_calibration
-    from dspark.llm import LLM
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter,
-              max_num_seqs=args.max_num_seqs)
+    llm = _llm(args)
     kinds = eval_prompts(args.data, llm.tokenizer, args.num_prompts)
     prompts = kinds["chat"] + kinds["code"]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -137,18 +133,17 @@ def cmd_bench(args) -> None:
 
 
 def cmd_profile(args) -> None:
-    from dspark.llm import LLM
     from dspark.worker.profile import ProfileConfig
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter)
+    llm = _llm(args)
     cfg = ProfileConfig(max_tokens=args.max_tokens, max_requests=args.max_requests,
                         context_len=args.context_len, repeats=args.repeats, warmup=args.warmup,
                         token_stride=args.token_stride)
     table = llm.engine.profile(cfg)
     table.save(args.out)
-    print("tokens | verify ms")
+    print("tokens | verify ms at " + " | ".join(f"{r} requests" for r in table.verify_requests))
     for t in sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, table.max_tokens}):
         if t <= table.max_tokens:
-            print(f"{t} | {table.verify_ms[t]:.2f}")
+            print(f"{t} | " + " | ".join(f"{row[t]:.2f}" for row in table.verify_ms))
     print("requests | draft ms")
     for r in range(1, table.max_requests + 1):
         print(f"{r} | {table.draft_ms[r]:.2f}")
@@ -173,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="complete raw prompts (no chat template)")
-    _engine_args(p)
+    add_engine_flags(p)
     _sampling_args(p)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: stdin")
     p.add_argument("--echo", action="store_true", help="print the prompt before its completion")
@@ -181,24 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with the model (its chat template applied)")
-    _engine_args(p)
+    add_engine_flags(p)
     _sampling_args(p, max_tokens=256)
     p.add_argument("--system", default=None, help="system message")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("demo", help="plain decoding and DSpark side by side, with speeds")
-    _engine_args(p)
+    add_engine_flags(p)
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    _engine_args(p)
     from dspark.server.launch import add_serve_args
-    add_serve_args(p)
+    add_serve_args(p)                           # the engine flags and the server's
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("calibrate", help="fit STS temperatures for the drafter's confidence head")
-    _engine_args(p)
+    add_engine_flags(p)
     p.add_argument("--data", default=None, help="draft-training data folder: calibrate on its held-out split")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts per kind (chat, code)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -208,10 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("profile", help="measure the verify/draft cost table for confidence scheduling")
-    _engine_args(p)
+    add_engine_flags(p)
     p.add_argument("--out", required=True, help="cost table JSON to write")
     p.add_argument("--max-tokens", type=int, default=64, help="verify costs for 1..N tokens")
-    p.add_argument("--max-requests", type=int, default=8, help="draft costs for 1..R requests")
+    p.add_argument("--max-requests", type=int, default=8, help="draft costs for 1..R requests, verify costs at powers of two up to R")
     p.add_argument("--context-len", type=int, default=256, help="KV context of every profiled request")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per size (median)")
     p.add_argument("--warmup", type=int, default=2)
@@ -225,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_draft)
 
     p = sub.add_parser("prune-vocab", help="give a trained drafter a reduced draft vocabulary")
-    _engine_args(p)
+    add_engine_flags(p)
     p.add_argument("--out", required=True, help="folder for the pruned drafter")
     p.add_argument("--size", type=int, default=8192, help="draft vocabulary size")
     p.add_argument("--num-prompts", type=int, default=256, help="training prompts to count answers of")
@@ -234,9 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prune_vocab)
 
     p = sub.add_parser("bench", help="benchmarks (see dspark/bench)")
-    _engine_args(p)
     from dspark.bench import add_bench_args
-    add_bench_args(p)
+    add_bench_args(p)                           # the engine flags and the benchmarks'
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,15 +18,27 @@ def cache_root() -> Path:
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
+FLAG_DTYPES = ("bfloat16", "float32", "float16")    # the spellings the command line offers
+GRAPHS = ("auto", "cuda", "compile", "eager")
+GENERATION_CONFIGS = ("auto", "vllm")
+
+
+def option(default: Any, help: str, **flag: Any) -> Any:
+    """A field whose default and command-line help are written here once; the flag is built
+    from them (dspark/config_flags.py). `flag` may carry `name` (a flag spelled otherwise than
+    the field), `choices`, and `none_help` (a --no-NAME flag that sets the field to None)."""
+    return field(default=default, metadata={"help": help, **flag})
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = option(16, "tokens per KV cache block (the unit of paging)")
     # The KV cache is sized from a memory budget: explicit bytes, or a fraction of the memory
     # available when the engine starts (never more than max_num_seqs full-length requests need).
-    kv_cache_bytes: int | None = None
-    memory_fraction: float = 0.25
+    kv_cache_bytes: int | None = option(None, "KV cache memory budget in bytes")
+    memory_fraction: float = option(0.25, "without --kv-cache-bytes, the fraction of the memory "
+                                          "available at start-up that the KV cache takes (never "
+                                          "more than --max-num-seqs full-length requests need)")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -38,8 +51,8 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048   # per-step token budget (chunked prefill above it)
+    max_num_seqs: int = option(64, "requests running at once (the others wait)")
+    max_num_batched_tokens: int = option(2048, "tokens per step; longer prefills are chunked")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -49,13 +62,17 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     """Data parallelism: N engine replicas in one torch.distributed group, stepping in lockstep."""
-    data_parallel_size: int = 1
-    dp_timeout_s: float = 30.0           # a collective waiting longer stops the group, naming the rank
-    dp_startup_timeout_s: float = 600.0  # loading and capturing on every rank
-    dp_idle_wait_s: float = 7 * 86400.0  # ranks 1..N-1 waiting between steps for rank 0 (its
-                                         # death still ends the wait at once)
-    dp_host: str = "127.0.0.1"           # where rank 0 hosts the group's store
-    dp_port: int = 0                     # 0: any free port
+    data_parallel_size: int = option(1, "data-parallel ranks (engine replicas in lockstep); "
+                                        "spawned here, or the ranks torchrun started", name="--dp")
+    dp_timeout_s: float = option(30.0, "seconds a rank may stall before the group stops, naming it",
+                                 name="--dp-timeout")
+    dp_startup_timeout_s: float = option(600.0, "seconds every rank may take to load and capture",
+                                         name="--dp-startup-timeout")
+    dp_idle_wait_s: float = option(7 * 86400.0, "seconds ranks 1..N-1 wait between steps for rank 0 "
+                                                "(its death still ends the wait at once)",
+                                   name="--dp-idle-wait")
+    dp_host: str = option("127.0.0.1", "address where rank 0 hosts the group's store")
+    dp_port: int = option(0, "port of the group's store (0: any free port)")
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -66,21 +83,27 @@ class ParallelConfig:
 
 EMBEDDED = "embedded"     # the drafter shipped for the embedded target
 AUTO = "auto"             # the embedded drafter for the embedded target, none for any other model
-SCHEDULES = ("verify-all", "confidence")
+SCHEDULES = ("confidence", "verify-all")
 EMBEDDED_DRAFTER_DIR = os.path.join(os.path.dirname(__file__), "assets", "smollm2-135m-instruct-dspark")
 
 
 @dataclass
 class SpecConfig:
     """Speculative decoding with a DSpark drafter; no drafter means plain decoding."""
-    drafter: str | None = AUTO           # drafter folder (speculators or DeepSpec format), "embedded",
-                                         # "auto" or None (plain decoding)
-    sts: str | None = None               # STS calibration JSON for the confidence head
-    spec_schedule: str = "confidence"    # verify only the drafts worth their cost, or "verify-all"
-    cost_table: str | None = None        # None: measured once per setup and cached; "auto": measured
-                                         # at start-up; or a `dspark profile` JSON
-    min_gain: float = 0.05               # trim only for at least this predicted gain in tokens/ms
-    confidence_lag: int = 2              # the budget uses confidences from this many rounds back
+    drafter: str | None = option(AUTO, "DSpark drafter folder (speculators or DeepSpec format) or "
+                                       "'embedded'; default: the shipped drafter for the embedded "
+                                       "model, none for any other",
+                                 none_help="decode plainly (no speculation)")
+    sts: str | None = option(None, "STS calibration JSON for the drafter's confidence head "
+                                   "(the shipped drafter brings its own)")
+    spec_schedule: str = option("confidence", "verify only the drafts worth their cost (default), "
+                                              "or every draft", choices=SCHEDULES)
+    cost_table: str | None = option(None, "the step costs the schedule prices drafts by: a "
+                                          "`dspark profile` JSON, or 'auto' to measure at start-up "
+                                          "(default: measured once per setup and cached)")
+    min_gain: float = option(0.05, "trim verification only for a predicted gain in tokens per "
+                                   "millisecond of at least this fraction (0.05: 5%)")
+    confidence_lag: int = option(2, "rounds between a confidence and its use in the budget")
 
     def resolve_embedded(self, model: str | None) -> None:
         """"embedded" names the shipped drafter (and its calibration) of the embedded target;
@@ -127,16 +150,25 @@ class SpecConfig:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None             # HF folder or GGUF file; None = the embedded default
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    max_model_len: int | None = None     # None: the model's own limit, capped at 8192
-    seed: int = 0
-    num_threads: int | None = None
-    graph: str = "auto"                  # auto | cuda | compile | eager: how bucketed steps run
-    max_graph_tokens: int = 512          # largest bucket; larger steps (long prefills) run unpadded
-    graph_fallback: bool = False         # a failed capture runs that bucket eagerly (else: error)
-    generation_config: str = "auto"      # auto: the model's recommended sampling; vllm: built-ins
+    model: str | None = option(None, "HF folder or .gguf file (default: embedded SmolLM2-135M)")
+    dtype: str = option("bfloat16", "weight and activation dtype", choices=FLAG_DTYPES)
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    max_model_len: int | None = option(None, "tokens of prompt and output per request (default: "
+                                             "the model's own limit, capped at 8192)")
+    num_threads: int | None = option(None, "CPU threads for torch (default: torch's own choice)",
+                                     name="--threads")
+    graph: str = option("auto", "how bucketed steps run: CUDA graphs, torch.compile per bucket or "
+                                "eager (auto: CUDA graphs on NVIDIA; on CPU whichever of compile "
+                                "and eager measured faster, measured once per model and cached)",
+                        choices=GRAPHS)
+    max_graph_tokens: int = option(512, "largest graph bucket (tokens per step); larger steps, "
+                                        "such as long prefills, run unpadded")
+    graph_fallback: bool = option(False, "run a bucket whose capture fails eagerly (warned and "
+                                         "counted) instead of failing")
+    generation_config: str = option("auto", "auto: request fields left unset take the model's "
+                                            "recommended sampling (generation_config.json, or the "
+                                            "GGUF's general.sampling.* metadata); vllm: the "
+                                            "built-in defaults", choices=GENERATION_CONFIGS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -148,9 +180,9 @@ class EngineConfig:
         if self.model is not None and not os.path.exists(self.model):
             raise FileNotFoundError(f"model path {self.model!r} does not exist")
         self.spec.resolve_embedded(self.model)
-        if self.graph not in ("auto", "cuda", "compile", "eager"):
-            raise ValueError(f"graph must be one of auto, cuda, compile, eager; got {self.graph!r}")
-        if self.generation_config not in ("auto", "vllm"):
+        if self.graph not in GRAPHS:
+            raise ValueError(f"graph must be one of {', '.join(GRAPHS)}; got {self.graph!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.max_graph_tokens < 1:
             raise ValueError(f"max_graph_tokens must be >= 1, got {self.max_graph_tokens}")

@@ -8,6 +8,9 @@ MODES = ("plain", "spec", "serve", "sweep", "graphs", "dp")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Everything `dspark bench` takes: the engine flags, then each harness's own."""
+    from dspark.config_flags import add_engine_flags
+    add_engine_flags(p)
     p.add_argument("--mode", choices=MODES, default="plain")
     p.add_argument("--repetitions", type=int, default=3,
                    help="runs to take the median of (serve: requests per client; serve with "
@@ -31,8 +34,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-levels", default=None,
                    help="graphs: comma-separated concurrencies (default: 1 and --batch), "
                         "e.g. 1,4,16,64 for the GPU sweep with --graph-backends eager,cuda")
-    from dspark.bench.serve import add_serve_bench_args
-    add_serve_bench_args(p)
+    from dspark.bench.serve import add_serve_client_flags
+    add_serve_client_flags(p)
     from dspark.bench.dp import add_dp_bench_args
     add_dp_bench_args(p)
 

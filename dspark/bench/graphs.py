@@ -50,7 +50,7 @@ def run_graphs_bench(args) -> dict:
     levels = sorted({int(c) for c in args.graph_levels.split(",")}) if args.graph_levels else [1, args.batch]
     batch = max(levels)
     common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(batch, 1),
-                  max_graph_tokens=args.max_graph_tokens, device=getattr(args, "device", "cpu"))
+                  max_graph_tokens=args.max_graph_tokens, device=args.device)
     engines = {}
     for backend in _backends(args):
         start = time.perf_counter()
@@ -73,7 +73,7 @@ def run_graphs_bench(args) -> dict:
 
 
 def _report(args, engines, med, cases) -> dict:
-    bandwidth = read_bandwidth(device=getattr(args, "device", "cpu"))
+    bandwidth = read_bandwidth(device=args.device)
     wbytes = weight_bytes(next(iter(engines.values())).engine.worker.model)
     roofline_ms = wbytes / bandwidth * 1e3
     eager = {k[:1] + k[2:]: v for k, v in med.items() if k[1] == "eager"}

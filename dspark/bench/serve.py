@@ -269,35 +269,41 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]] = CO
 # ---- the command --------------------------------------------------------------------------------
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
-    from dspark.server.launch import ENGINE_ARGS, add_missing_argument
-    for flag, kwargs in ENGINE_ARGS:            # used with --launch; --model also names the model
-        add_missing_argument(parser, flag, **kwargs)
-    add_missing_argument(parser, "--base-url", default="http://127.0.0.1:8000/v1",
-                         help="OpenAI-compatible endpoint (ignored with --launch)")
-    add_missing_argument(parser, "--launch", action="store_true",
-                         help="start a dspark server in-process on a free loopback port first")
-    add_missing_argument(parser, "--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
-    add_missing_argument(parser, "--concurrency", default="1,2,4,8",
-                         help="comma-separated numbers of concurrent clients")
-    add_missing_argument(parser, "--input-tokens", type=int, default=128)
-    add_missing_argument(parser, "--output-tokens", type=int, default=128)
-    add_missing_argument(parser, "--warmup", type=int, default=2, help="requests before measuring")
-    add_missing_argument(parser, "--repetitions", type=int, default=3,
-                         help="requests each client sends per concurrency level")
-    add_missing_argument(parser, "--no-ignore-eos", action="store_true",
-                         help="do not send ignore_eos (for servers that reject it)")
-    add_missing_argument(parser, "--request-timeout", type=float, default=600.0)
-    add_missing_argument(parser, "--chat", action=argparse.BooleanOptionalAction, default=None,
-                         help="send the built-in chat prompts to /v1/chat/completions instead of "
-                              "--input-tokens prompts to /v1/completions (default: on with "
-                              "--compare-no-drafter, off otherwise)")
-    add_missing_argument(parser, "--compare-no-drafter", action="store_true",
-                         help="launch two servers from the same engine arguments, one as given and one "
-                              "with --no-drafter, and alternate their rounds at each level "
-                              "(implies --launch; --repetitions: rounds per server and level)")
-    add_missing_argument(parser, "--requests-per-round", type=int, default=8,
-                         help="with --compare-no-drafter: requests per round at least (each of c "
-                              "clients sends ceil(max(c, this) / c))")
+    """The serve benchmark on its own: the engine flags (used with --launch; --model also names
+    the model), --repetitions and the client's flags."""
+    from dspark.config_flags import add_engine_flags
+    add_engine_flags(parser)
+    parser.add_argument("--repetitions", type=int, default=3,
+                        help="requests each client sends per concurrency level")
+    add_serve_client_flags(parser)
+
+
+def add_serve_client_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags only the serve benchmark reads (`dspark bench` gives --repetitions for all)."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                        help="OpenAI-compatible endpoint (ignored with --launch)")
+    parser.add_argument("--launch", action="store_true",
+                        help="start a dspark server in-process on a free loopback port first")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
+    parser.add_argument("--concurrency", default="1,2,4,8",
+                        help="comma-separated numbers of concurrent clients")
+    parser.add_argument("--input-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2, help="requests before measuring")
+    parser.add_argument("--no-ignore-eos", action="store_true",
+                        help="do not send ignore_eos (for servers that reject it)")
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="send the built-in chat prompts to /v1/chat/completions instead of "
+                             "--input-tokens prompts to /v1/completions (default: on with "
+                             "--compare-no-drafter, off otherwise)")
+    parser.add_argument("--compare-no-drafter", action="store_true",
+                        help="launch two servers from the same engine arguments, one as given and one "
+                             "with --no-drafter, and alternate their rounds at each level "
+                             "(implies --launch; --repetitions: rounds per server and level)")
+    parser.add_argument("--requests-per-round", type=int, default=8,
+                        help="with --compare-no-drafter: requests per round at least (each of c "
+                             "clients sends ceil(max(c, this) / c))")
 
 
 def parse_levels(text: str) -> list[int]:
@@ -341,11 +347,12 @@ def launch(args: argparse.Namespace, no_drafter: bool | None = None) -> ServerTh
     """A dspark server in this process on a free loopback port, from the engine arguments in
     `args`; `no_drafter` overrides theirs, so one set of arguments yields both servers to compare."""
     from dspark.server.api_server import build_app
-    from dspark.server.launch import ServerThread, engine_config_from_args
+    from dspark.config_flags import engine_config_from_args
+    from dspark.server.launch import ServerThread
     if no_drafter is not None:
         args = argparse.Namespace(**{**vars(args), "no_drafter": no_drafter})
     app = build_app(engine_config_from_args(args), max_queue=max(256, max(parse_levels(args.concurrency))))
     return ServerThread(app).start()
 
 
-__all__ = ["add_serve_bench_args", "launch", "run_serve_bench"]
+__all__ = ["add_serve_bench_args", "add_serve_client_flags", "launch", "run_serve_bench"]

@@ -38,7 +38,7 @@ def run_spec_bench(args) -> None:
     kinds = args.prompt_source(args.data, plain.tokenizer, args.num_prompts)
     for llm in (plain, spec):
         llm.generate([kinds["code"][0]], SamplingParams(temperature=0, max_tokens=8))      # warm-up
-    temperatures = [float(t) for t in str(getattr(args, "temperatures", "0")).split(",") if t.strip()]
+    temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
     rows, summary = [], {"bench": "spec", "dtype": args.dtype, "max_tokens": args.batch1_tokens}
     for temperature in temperatures:
         for kind, prompts in kinds.items():

@@ -47,16 +47,17 @@ def best_plan_gain(table, acceptance, requests: int) -> float:
     survival = np.tile(np.asarray(acceptance.accepted_per_position, dtype=np.float64) / rounds, (requests, 1))
     plan = plan_step(survival, table, requests, requests, min_gain=0.0, prefer_verify_all=False)
     tokens = requests + expected_accepted(survival, plan)
-    cost = table.draft_costs([sum(plan.drafted)])[0] + table.verify_costs(requests + plan.budget,
-                                                                          requests + plan.budget + 1)[0]
-    plain = requests / table.verify_costs(requests, requests + 1)[0]
+    tokens_after = requests + plan.budget
+    cost = table.draft_costs([sum(plan.drafted)])[0] + table.verify_costs(tokens_after, tokens_after + 1,
+                                                                          requests)[0]
+    plain = requests / table.verify_costs(requests, requests + 1, requests)[0]
     return float(tokens / cost / plain)
 
 
 def _engines(args, max_seqs: int) -> dict:
     from dspark import LLM
     common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max_seqs,
-                  graph=getattr(args, "graph", "auto"))
+                  graph=args.graph)
     engines = {"plain": LLM(args.model, drafter=None, **common),
                "verify-all": LLM(args.model, drafter=args.drafter, spec_schedule="verify-all", **common)}
     if engines["verify-all"].engine.drafter is None:

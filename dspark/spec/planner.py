@@ -25,23 +25,42 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+FORMAT = 2                # 2: verify costs per request count
 MEMO_ENTRIES = 256        # remembered results per cost list (a step's shapes repeat under steady load)
 
 @dataclass
 class CostTable:
-    """Measured step costs (milliseconds) of one target + drafter on one device."""
+    """Measured step costs (milliseconds) of one target + drafter on one device.
+
+    A step's cost depends on how many requests share its tokens, not on the tokens alone: each
+    request reads its own K/V context, so 16 one-token rows cost about half again as much as two
+    8-row blocks. Verify costs are therefore measured per request count (a row of the table for
+    each count in `verify_requests`, interpolated between them); a plan compares steps of one
+    request count, its drafts adding tokens to the step's row."""
     fingerprint: dict              # device, model, dtype, drafter, buckets: a table fits one setup
-    verify_ms: list[float]         # [T_max + 1] target step over t tokens (index 0 unused)
+    verify_ms: list                # [N][T_max + 1] target step of verify_requests[n] requests over t
+                                   #   tokens (index 0 unused); a flat list: one row, any count
     draft_ms: list[float]          # [R_max + 1] drafter pass for r requests (index 0 unused)
     context_len: int = 0           # KV context every profiled request had
     method: str = ""               # e.g. "median of 10 after 3 warm-up, made monotone"
+    verify_requests: list[int] | None = None    # [N] ascending request counts of the rows
 
     def __post_init__(self) -> None:
-        if len(self.verify_ms) < 2 or len(self.draft_ms) < 2:
+        if self.verify_ms and not isinstance(self.verify_ms[0], (list, tuple)):
+            self.verify_ms = [list(self.verify_ms)]
+        if self.verify_requests is None:
+            self.verify_requests = [1] * (len(self.verify_ms) == 1)
+        if len(self.verify_requests) != len(self.verify_ms) or not self.verify_ms:
+            raise ValueError("a cost table needs one verify row per request count")
+        if sorted(set(self.verify_requests)) != list(self.verify_requests) or self.verify_requests[0] < 1:
+            raise ValueError("the verify rows' request counts must ascend from 1 or more")
+        if len({len(row) for row in self.verify_ms}) != 1:
+            raise ValueError("every verify row must cover the same token counts")
+        if len(self.verify_ms[0]) < 2 or len(self.draft_ms) < 2:
             raise ValueError("a cost table needs verify costs for t >= 1 and draft costs for r >= 1")
-        if any(not c > 0 for c in self.verify_ms[1:] + self.draft_ms[1:]):
+        if any(not c > 0 for row in self.verify_ms for c in row[1:]) or any(not c > 0 for c in self.draft_ms[1:]):
             raise ValueError("cost table entries must be positive")
-        self._arrays: dict[str, tuple[list[float], np.ndarray]] = {}
+        self._arrays: dict[str, tuple[list, np.ndarray]] = {}
         self._memo: dict[str, dict] = {}          # per list: read-only results by their arguments
 
     def _costs(self, name: str) -> np.ndarray:
@@ -73,16 +92,29 @@ class CostTable:
 
     @property
     def max_tokens(self) -> int:
-        return len(self.verify_ms) - 1
+        return len(self.verify_ms[0]) - 1
 
     @property
     def max_requests(self) -> int:
         return len(self.draft_ms) - 1
 
-    def verify_costs(self, start: int, stop: int) -> np.ndarray:
-        """[stop - start] verify cost of t = start..stop-1 tokens; past the table, the last
-        measured slope (a larger step never costs less)."""
-        return self._remembered("verify_ms", (start, stop), lambda c: _extrapolated(c, start, stop))
+    def verify_costs(self, start: int, stop: int, requests: int = 1) -> np.ndarray:
+        """[stop - start] verify cost of t = start..stop-1 tokens in a step of `requests`
+        requests; past the table, the last measured slope (a larger step never costs less)."""
+        return self._remembered("verify_ms", (start, stop, requests),
+                                lambda rows: _extrapolated(self._verify_row(rows, requests), start, stop))
+
+    def _verify_row(self, rows: np.ndarray, requests: int) -> np.ndarray:
+        """[T_max + 1] the verify costs of a step of `requests` requests: linear between the
+        measured counts around it, the nearest row outside them."""
+        counts = self.verify_requests
+        if requests <= counts[0]:
+            return rows[0]
+        if requests >= counts[-1]:
+            return rows[-1]
+        hi = int(np.searchsorted(counts, requests))
+        w = (requests - counts[hi - 1]) / (counts[hi] - counts[hi - 1])
+        return (1.0 - w) * rows[hi - 1] + w * rows[hi]
 
     def draft_costs(self, sizes) -> np.ndarray:
         """Drafter cost for each request count in `sizes` (0 requests: no drafter pass)."""
@@ -96,15 +128,15 @@ class CostTable:
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump({"format": 1, **asdict(self)}, f, indent=1)
+            json.dump({"format": FORMAT, **asdict(self)}, f, indent=1)
 
     @classmethod
     def load(cls, path: str) -> "CostTable":
         try:
             with open(path) as f:
                 raw = json.load(f)
-            if raw.pop("format", None) != 1:
-                raise ValueError("unknown format")
+            if raw.pop("format", None) != FORMAT:
+                raise ValueError(f"not format {FORMAT} (verify costs per request count)")
             return cls(**raw)
         except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise ValueError(f"{path!r} is not a valid cost table: {e}") from e
@@ -165,7 +197,7 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
         survival = survival.detach().cpu().double().numpy()
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
     must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
-    verify = _verify_on_top(table, other_tokens, joining_tokens, full)                     # [B]
+    verify = _verify_on_top(table, other_tokens, joining_tokens, full, max(1, num_sampling))  # [B]
     plain_rate = num_sampling / verify[0]
     full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + verify[full])
     free = not must.any()                                  # no forced draft: the bound applies
@@ -182,14 +214,16 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
 
 
-def _verify_on_top(table: CostTable, other_tokens: int, joining_tokens: int, full: int) -> np.ndarray:
-    """[full + 1] the step's verify cost with b = 0..full drafts: the decode step's own cost plus
-    what the drafts add on top of `joining_tokens` of prefill."""
+def _verify_on_top(table: CostTable, other_tokens: int, joining_tokens: int, full: int,
+                   requests: int) -> np.ndarray:
+    """[full + 1] the verify cost of a step of `requests` decoding requests with b = 0..full
+    drafts: the decode step's own cost plus what the drafts add on top of `joining_tokens` of
+    prefill."""
     if joining_tokens <= 0:
-        return table.verify_costs(other_tokens, other_tokens + full + 1)
+        return table.verify_costs(other_tokens, other_tokens + full + 1, requests)
     start = other_tokens + joining_tokens
-    joined = table.verify_costs(start, start + full + 1)
-    return joined - joined[0] + table.verify_costs(other_tokens, other_tokens + 1)[0]
+    joined = table.verify_costs(start, start + full + 1, requests)
+    return joined - joined[0] + table.verify_costs(other_tokens, other_tokens + 1, requests)[0]
 
 
 def _drafting_bound(s: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray) -> float:

@@ -1,15 +1,16 @@
-"""`dspark profile`: measure the step costs the verify-budget planner prices budgets with.
+"""`dspark profile`: measure the step costs the speculation policy prices its plans with.
 
-Verify cost is timed at every graph bucket up to T_max (and every Nth count past the largest)
-as the target forward a speculative step runs (requests of γ+1 rows each, logits for every
-row, padded to the bucket as the engine pads it); draft cost for every request
-count 1..R_max as one drafter proposal plus the drafter's context append of those requests'
-verify rows (γ+1 each): both are what a step that drafts pays and a plain step does not (the
-append is about a fifth of the drafter's share of a one-request step on a 2-core CPU). Both
-at a realistic context length, median of N rounds that time every size once each, after
-warm-up, then made monotone (a larger step never costs less: the noise of a shared machine must
-not make the planner chase phantom dips). The engine must be idle: profiling writes scratch K/V into blocks no request
-owns yet.
+Verify cost is timed for each request count (powers of two up to R_max) at every graph bucket up
+to T_max (and every Nth count past the largest), as the engine runs such a step: its inputs built
+and the target's forward at the bucket, the tokens spread over the requests as a verify budget
+spreads drafts (at most γ+1 rows each, the rest a prefill chunk joining them). The request
+count matters as much as the tokens: each request reads its own K/V context. Draft cost for
+every request count 1..R_max is the worker's drafter pass plus the drafter's context append of
+those requests' verify rows (γ+1 each): both are what a step that drafts pays and a plain step
+does not. All at a realistic context length, median of N rounds that time every shape once
+each, after warm-up, then made monotone (a larger step never costs less: the noise of a shared
+machine must not make the planner chase phantom dips). The engine must be idle: profiling
+writes scratch K/V into blocks no request owns yet.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.sampling_params import SamplingParams
-from dspark.spec.draft import append_context, propose
+from dspark.spec.draft import append_context
 from dspark.spec.planner import CostTable
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.sampler import SamplingTensors
@@ -66,15 +67,34 @@ def _tables(worker: Worker, num_requests: int, context_len: int, rows: int) -> l
     return [[(r * per + i) % total for i in range(per)] for r in range(num_requests)]
 
 
-def _verify_fn(worker: Worker, tokens: int, gamma: int, context_len: int):
-    sizes = [gamma + 1] * (tokens // (gamma + 1)) + ([tokens % (gamma + 1)] if tokens % (gamma + 1) else [])
-    tables = _tables(worker, len(sizes), context_len, gamma + 1)
-    chunks = [RequestChunk([1] * q, context_len, t, q) for q, t in zip(sizes, tables)]
-    inputs = build_inputs(chunks, worker.block_size, worker.device, worker.config.sliding_window)
+def _verify_fn(worker: Worker, requests: int, tokens: int, gamma: int, context_len: int):
+    rows = step_rows(requests, tokens, gamma, longest=context_len + gamma + 1)
+    tables = _tables(worker, len(rows), context_len, max(rows))
+    chunks = [RequestChunk([1] * q, context_len, t, q) if i < requests else RequestChunk([1] * q, 0, t, 1)
+              for i, (q, t) in enumerate(zip(rows, tables))]
 
-    def run():
-        worker.forward(inputs)              # at the step's graph bucket, as the engine runs it
+    def run():          # the step's inputs built and its forward run at its graph bucket, as the engine does
+        worker.forward(build_inputs(chunks, worker.block_size, worker.device, worker.config.sliding_window))
     return run
+
+
+def step_rows(requests: int, tokens: int, gamma: int, longest: int) -> list[int]:
+    """Rows per chunk of a step of `tokens` tokens over `requests` decoding requests: spread
+    evenly (a verify budget's drafts go to several requests), at most γ+1 each; tokens past that
+    are prompts joining the step, in chunks of at most `longest` (from position 0)."""
+    decode = min(tokens, requests * (gamma + 1))
+    rows = [decode // requests + (i < decode % requests) for i in range(requests)]
+    rest = tokens - decode
+    return rows + [longest] * (rest // longest) + ([rest % longest] if rest % longest else [])
+
+
+def request_counts(max_requests: int) -> list[int]:
+    """The request counts verify costs are measured at: powers of two, and the largest."""
+    counts, r = {max_requests}, 1
+    while r < max_requests:
+        counts.add(r)
+        r *= 2
+    return sorted(counts)
 
 
 def _draft_fn(worker: Worker, num_requests: int, context_len: int):
@@ -82,21 +102,16 @@ def _draft_fn(worker: Worker, num_requests: int, context_len: int):
     rows = worker.drafter.config.block_size + 1                       # a verify block: anchor + γ
     table_lists = _tables(worker, num_requests, context_len,             # pages for both passes
                           max(rows, worker.drafter.config.num_block_slots))
-    tables = torch.tensor(table_lists, device=dev)
-    anchors = torch.ones(num_requests, dtype=torch.long, device=dev)
-    starts = torch.full((num_requests,), context_len, dtype=torch.long, device=dev)
+    chunks = [RequestChunk([1] * rows, context_len, t, rows) for t in table_lists]
     st = SamplingTensors.build([SamplingParams(temperature=0.0)] * num_requests,
                                [None] * num_requests, worker.config.vocab_size, dev)
-    verified = build_inputs([RequestChunk([1] * rows, context_len, t, 0) for t in table_lists],
-                            worker.block_size, dev, worker.config.sliding_window)
+    verified = build_inputs(chunks, worker.block_size, dev, worker.config.sliding_window)
     aux = torch.randn(num_requests * rows, len(worker.aux_layer_ids) * worker.config.hidden_size,
                       generator=torch.Generator().manual_seed(0)).to(dev, worker.kv_caches[0][0].dtype)
+    spec_idx = list(range(num_requests))
 
-    def run():          # at the request bucket the engine drafts at, when it has draft graphs
-        if worker.draft_graphs is not None:
-            worker.draft_graphs.run(worker.draft_kv, anchors, starts, tables, st)
-        else:
-            propose(worker.drafter, worker.draft_kv, anchors, starts, tables, worker.block_size, st)
+    def run():          # as a step drafts: at the request bucket, when there are draft graphs
+        worker._draft(chunks, spec_idx, st)
         attn = verified.attn            # the drafting step's rows into the drafter's context
         append_context(worker.drafter, worker.draft_kv, aux, verified.positions, attn.write_rows,
                        attn.write_slots)
@@ -129,16 +144,29 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
     if worker.drafter is None:
         raise ValueError("profiling prices speculative steps: the engine needs a drafter")
     gamma = worker.drafter.config.block_size
-    sizes = _token_sizes(worker, cfg)
+    sizes, counts = _token_sizes(worker, cfg), request_counts(min(cfg.max_requests, cfg.max_tokens))
+    shapes = [(r, t) for r in counts for t in sizes if t >= r]
     bar = tqdm(total=2 * cfg.repeats, desc="measuring step costs (target, drafter)", disable=not use_tqdm)
-    timed = _timed_in_rounds([_verify_fn(worker, t, gamma, cfg.context_len) for t in sizes], cfg, bar)
-    measured = dict(zip(sizes, timed))
-    verify = [measured[min(m for m in sizes if m >= t)] for t in range(1, cfg.max_tokens + 1)]
+    timed = _timed_in_rounds([_verify_fn(worker, r, t, gamma, cfg.context_len) for r, t in shapes], cfg, bar)
+    verify = _verify_rows(dict(zip(shapes, timed)), counts, sizes, cfg.max_tokens)
     draft = _timed_in_rounds([_draft_fn(worker, r, cfg.context_len) for r in range(1, cfg.max_requests + 1)],
                              cfg, bar)
     bar.close()
-    return CostTable(fingerprint=fingerprint, verify_ms=[0.0] + monotone(verify),
+    return CostTable(fingerprint=fingerprint, verify_ms=verify, verify_requests=counts,
                      draft_ms=[0.0] + monotone(draft), context_len=cfg.context_len,
                      method=f"median of {cfg.repeats} rounds after {cfg.warmup} warm-up, every "
-                            f"{cfg.token_stride} tokens, made monotone; draft cost with the "
-                            f"context append")
+                            f"{cfg.token_stride} tokens at each request count, made monotone; "
+                            f"draft cost with the context append")
+
+
+def _verify_rows(measured: dict[tuple[int, int], float], counts: list[int], sizes: list[int],
+                 max_tokens: int) -> list[list[float]]:
+    """[N][T_max + 1] per request count: each token count at the next measured size (a step
+    costs its bucket), a step smaller than its request count at that count's first size; made
+    monotone in tokens and in requests."""
+    rows, below = [], [0.0] * max_tokens
+    for r in counts:
+        row = [measured[(r, min(m for m in sizes if m >= max(t, r)))] for t in range(1, max_tokens + 1)]
+        below = [max(a, b) for a, b in zip(monotone(row), below)]
+        rows.append([0.0] + below)
+    return rows

@@ -7,7 +7,7 @@ the block's input rows on the device, so drafting, verification and acceptance n
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +29,8 @@ from dspark.worker.graphs import StepGraphs, dummy_metadata
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
 from dspark.worker.logprobs import LogprobCollector, PromptLogprobRows, split_logits
-from dspark.worker.ragged import row_layout, trim_inputs, untrim_logits
 from dspark.worker.sampler import SamplingTensors, sample
 from dspark.worker.step_key import StepKey
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,7 +72,6 @@ class Worker:
         self.drafter = drafter
         self.sts_temperatures: torch.Tensor | None = None    # [γ] applied before allocation
         self.sts_offsets: torch.Tensor | None = None         # [γ]
-        self.trim_fallbacks = 0                               # budgeted steps verified in full
         self.dummy_steps = 0                                  # idle data-parallel steps run
         self.draft_kv = None
         self.draft_graphs: DraftGraphs | None = None          # None: the draft step runs unpadded
@@ -92,28 +88,37 @@ class Worker:
         """Run one step; `key` (a data-parallel group's agreement) fixes its graph buckets."""
         if self.drafter is not None:
             self.deferred.release(batch.released_blocks)
-        inputs = build_inputs(batch.chunks, self.block_size, self.device, self.config.sliding_window)
-        sampling = [c for c in batch.chunks if c.num_logits > 0]
         st = SamplingTensors.build(batch.params, batch.generators, self.config.vocab_size, self.device)
         spec_idx = [i for i, s in enumerate(batch.spec) if s]
-        proposal = lens = logits_keep = None
-        num_logits = inputs.logits_indices.shape[0]
+        proposal = lens = None
         if spec_idx:
             self.deferred.flush(self.drafter, self.draft_kv)                       # the drafter reads all context
+            sampling = [c for c in batch.chunks if c.num_logits > 0]
             ids = [batch.request_ids[i] for i in spec_idx] if batch.request_ids is not None else None
             proposal = self._draft(sampling, spec_idx, st, ids, key)
+            batch, lens = self._verify_lengths(batch, sampling, spec_idx, proposal)
+        inputs = build_inputs(batch.chunks, self.block_size, self.device, self.config.sliding_window)
+        sampling = [c for c in batch.chunks if c.num_logits > 0]
+        if spec_idx:
             self._place_drafts(inputs, batch.chunks, spec_idx, proposal.tokens)
-            caps = [len(sampling[i].token_ids) - 1 for i in spec_idx]
-            lens = torch.tensor(caps, device=self.device)
-            if batch.verify_budget is not None and batch.verify_budget < sum(caps) and self._can_trim(inputs):
-                lens = allocate(self._survival(proposal, lens), batch.verify_budget)
-                layout = row_layout(batch.chunks, _chunk_spec_flags(batch), self.device)
-                inputs, logits_keep = trim_inputs(inputs, layout, lens, sum(caps) - batch.verify_budget)
         out = self.forward(inputs, key)
         if self.drafter is not None:
             self._append_context(out.aux_hidden, inputs, drafted=bool(spec_idx))
-        logits = out.logits if logits_keep is None else untrim_logits(out.logits, logits_keep, num_logits)
-        return self._accept(logits, batch, sampling, spec_idx, proposal, st, lens)
+        return self._accept(out.logits, batch, sampling, spec_idx, proposal, st, lens)
+
+    def _verify_lengths(self, batch: WorkerBatch, sampling: list[RequestChunk], spec_idx: list[int],
+                        proposal: DraftProposal) -> tuple[WorkerBatch, torch.Tensor]:
+        """[R_spec] drafts each block verifies: all of them, or under a verify budget the
+        allocator's choice from the current confidences. The lengths are read back and the
+        step laid out with the verified rows alone (its inputs are built after the drafter
+        pass): a layout padded to every draft with the unverified rows masked costs attention
+        and metadata for rows that are never read."""
+        caps = [len(sampling[i].token_ids) - 1 for i in spec_idx]
+        cap_tensor = torch.tensor(caps, device=self.device)
+        if batch.verify_budget is None or batch.verify_budget >= sum(caps):
+            return batch, cap_tensor
+        lens = allocate(self._survival(proposal, cap_tensor), batch.verify_budget)
+        return _trimmed(batch, spec_idx, lens.tolist()), lens
 
     def _append_context(self, aux_hidden: torch.Tensor, inputs: StepInputs, drafted: bool) -> None:
         """The step's rows into the drafter's context: now after a drafting step (the next one
@@ -178,16 +183,6 @@ class Worker:
             tokens -= caps - batch.verify_budget
         width = max(len(c.block_table) for c in batch.chunks)
         return len(batch.chunks), tokens, sum(batch.spec), width
-
-    def _can_trim(self, inputs: StepInputs) -> bool:
-        """Rows that write no K/V (slot -1) would need a host-side row list: verify in full."""
-        if inputs.attn.write_rows is None:
-            return True
-        if self.trim_fallbacks == 0:
-            logger.warning("a budgeted step has rows without K/V slots; verifying every draft "
-                           "(counted in Worker.trim_fallbacks)")
-        self.trim_fallbacks += 1
-        return False
 
     def _survival(self, proposal, caps: torch.Tensor) -> torch.Tensor:
         """[R, γ] current cumulative survival (STS applied); slots past a request's cap get -1,
@@ -310,13 +305,17 @@ def _sampling_offsets(chunks: list[RequestChunk]) -> list[int]:
     return offsets
 
 
-def _chunk_spec_flags(batch: WorkerBatch) -> list[bool]:
-    """Per chunk (not per sampling chunk): is it a speculative block?"""
-    flags, k = [], 0
+def _trimmed(batch: WorkerBatch, spec_idx: list[int], verify_lens: list[int]) -> WorkerBatch:
+    """The batch with each speculative block cut to its anchor and its verified drafts."""
+    keep = dict(zip(spec_idx, verify_lens))
+    chunks, k = [], 0
     for chunk in batch.chunks:
-        flags.append(chunk.num_logits > 0 and batch.spec[k])
+        if chunk.num_logits > 0 and k in keep:
+            rows = 1 + keep[k]
+            chunk = dataclasses.replace(chunk, token_ids=chunk.token_ids[:rows], num_logits=rows)
         k += int(chunk.num_logits > 0)
-    return flags
+        chunks.append(chunk)
+    return dataclasses.replace(batch, chunks=chunks)
 
 
 def _unpack(flat: list[float], spec_flags, plain_idx, spec_idx, proposal) -> StepResult:

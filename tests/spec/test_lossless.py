@@ -28,8 +28,21 @@ def make_llm(target_dir, drafter_dir=None, kv_tokens=4096, max_model_len=256, gr
     per_token = 2 * (4 + 1) * 2 * 16 * 4       # K+V of 4 target + 1 drafter layers, fp32
     if graph == "compile":      # every bucket compiles at start-up: keep them few
         kw.setdefault("max_graph_tokens", 16)
-    return LLM(target_dir, dtype="float32", drafter=drafter_dir, block_size=4,
-               kv_cache_bytes=kv_tokens * per_token, max_model_len=max_model_len, graph=graph, **kw)
+    llm = LLM(target_dir, dtype="float32", drafter=drafter_dir, block_size=4,
+              kv_cache_bytes=kv_tokens * per_token, max_model_len=max_model_len, graph=graph, **kw)
+    if llm.engine.policy is not None and "cost_table" not in kw:
+        pin_flat_costs(llm.engine.policy)
+    return llm
+
+
+def pin_flat_costs(policy) -> None:
+    """Drafts priced as free: the policy then drafts for every request and verifies every
+    draft, whatever this machine measured at start-up for a tiny model (a measured table
+    decides by timing, and the tests must speculate to test it)."""
+    from dspark.spec.planner import CostTable
+    policy.table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * policy.table.max_tokens,
+                             draft_ms=[0.0] + [1e-6] * policy.table.max_requests)
+    policy.min_gain = 0.0
 
 
 def workload(n, seed=0, max_out=40):

@@ -30,7 +30,7 @@ def survivals(r: int, gamma: int, seed: int) -> torch.Tensor:
 def brute_force(s: torch.Tensor, t: CostTable, n: int, other: int) -> tuple[int, list[float]]:
     """Every budget b, with expected tokens from the b best slots, priced one by one."""
     flat = sorted(s.flatten().tolist(), reverse=True)
-    rates = [(n + sum(flat[:b])) / (t.draft_ms[s.shape[0]] + t.verify_ms[other + b])
+    rates = [(n + sum(flat[:b])) / (t.draft_ms[s.shape[0]] + t.verify_ms[0][other + b])
              for b in range(len(flat) + 1)]
     return max(range(len(rates)), key=lambda b: (rates[b], -b)), rates
 
@@ -114,7 +114,7 @@ def brute_force_plan(s: torch.Tensor, t: CostTable, n: int, other: int, forced: 
         flat = sorted(s[order[:size]].flatten().tolist(), reverse=True)
         draft = t.draft_ms[size] if size else 0.0
         for b in range(len(flat) + 1):
-            rate = (n + sum(flat[:b])) / (draft + t.verify_ms[other + b])
+            rate = (n + sum(flat[:b])) / (draft + t.verify_ms[0][other + b])
             if rate > best[0] + 1e-12:
                 best = (rate, (set(order[:size]), b))
     return best
@@ -124,7 +124,7 @@ def rate_of(plan, s, t, n, other):
     chosen = [i for i, d in enumerate(plan.drafted) if d]
     flat = sorted(s[chosen].flatten().tolist(), reverse=True)
     draft = t.draft_ms[len(chosen)] if chosen else 0.0
-    return (n + sum(flat[:plan.budget])) / (draft + t.verify_ms[other + plan.budget])
+    return (n + sum(flat[:plan.budget])) / (draft + t.verify_ms[0][other + plan.budget])
 
 
 @pytest.mark.parametrize("kind,seed", list(itertools.product(TABLES, range(5))))
@@ -195,7 +195,7 @@ def test_remembered_costs_are_read_only_and_follow_a_reassigned_list():
     t = CostTable(fingerprint={}, verify_ms=[0.0, 1.0, 2.0, 3.0], draft_ms=[0.0, 1.0, 2.0])
     first = t.verify_costs(1, 3)
     assert t.verify_costs(1, 3) is first and first.tolist() == [1.0, 2.0] and not first.flags.writeable
-    t.verify_ms = [0.0, 5.0, 6.0, 7.0]                       # a new list: priced anew
+    t.verify_ms = [[0.0, 5.0, 6.0, 7.0]]                     # a new list: priced anew
     assert t.verify_costs(1, 3).tolist() == [5.0, 6.0]
     drafts = t.draft_costs([0, 2])
     assert drafts.tolist() == [0.0, 2.0] and not drafts.flags.writeable
@@ -280,3 +280,30 @@ def test_drafts_priced_at_nothing_are_still_verified_where_the_bucket_holds_them
     s = torch.tensor([[0.9, 0.0, 0.0, 0.0]])
     plan = plan_step(s, t, num_sampling=1, other_tokens=1, min_gain=0.0, prefer_verify_all=False)
     assert plan.drafted == [True] and plan.budget == 4
+
+
+def test_verify_costs_follow_the_steps_request_count():
+    """Rows per request count, linear between them, the nearest outside; a format-1 table
+    (one row for every count) is refused on load, so a cached one is measured again."""
+    t = CostTable(fingerprint={}, verify_ms=[[0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 7.0, 7.0, 10.0, 13.0]],
+                  verify_requests=[1, 4], draft_ms=[0.0, 1.0])
+    assert t.verify_costs(1, 5).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert t.verify_costs(1, 5, requests=4).tolist() == [7.0, 7.0, 10.0, 13.0]
+    assert t.verify_costs(2, 3, requests=2)[0] == pytest.approx(2.0 + (7.0 - 2.0) / 3)
+    assert t.verify_costs(4, 5, requests=9).tolist() == [13.0]
+    with pytest.raises(ValueError, match="one verify row per request count"):
+        CostTable(fingerprint={}, verify_ms=[[0.0, 1.0]], verify_requests=[1, 2], draft_ms=[0.0, 1.0])
+    with pytest.raises(ValueError, match="ascend"):
+        CostTable(fingerprint={}, verify_ms=[[0.0, 1.0], [0.0, 2.0]], verify_requests=[4, 2],
+                  draft_ms=[0.0, 1.0])
+
+
+def test_a_draft_cheap_for_one_request_is_dear_in_a_step_of_many():
+    """The same survivals and drafter cost: one decoding request's drafts fit its bucket, but in
+    a step of four requests the table's row for four puts the drafts past a bucket."""
+    one = [0.0] + [10.0] * 8 + [20.0] * 8
+    four = [0.0] + [10.0] * 4 + [20.0] * 12
+    t = CostTable(fingerprint={}, verify_ms=[one, four], verify_requests=[1, 4], draft_ms=[0.0] + [1.0] * 4)
+    s = torch.tensor([[0.5, 0.3, 0.1]]).repeat(4, 1)
+    assert plan_step(s[:1], t, num_sampling=1, other_tokens=1).budget == 3
+    assert not any(plan_step(s, t, num_sampling=4, other_tokens=4).drafted)

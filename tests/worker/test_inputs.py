@@ -99,35 +99,10 @@ def test_verify_blocks_beside_a_prefill_chunk_are_not_padded_to_it():
     assert torch.allclose(out, _reference_attention(q, k_cache, v_cache, chunks, bs, 0.3), atol=1e-5)
 
 
-def test_trimming_a_split_step_keeps_each_parts_rows_and_their_attention():
-    from dspark.models.layers.attention import paged_attention
-    from dspark.worker.ragged import row_layout, trim_inputs
-    g = torch.Generator().manual_seed(1)
-    bs, heads, kv_heads, d = 4, 4, 2, 8
-    chunks = [RequestChunk([1, 2, 3, 4, 5], 9, [0, 1, 2, 3], 5),         # anchor + 4 drafts
-              RequestChunk([1], 21, [4, 5, 6, 7, 8, 9], 1),               # a plain decode row
-              RequestChunk(list(range(18)), 3, [10, 11, 12, 13, 14, 15], 1),   # a prefill chunk
-              RequestChunk([6, 7, 8], 4, [16, 17], 3)]                    # anchor + 2 drafts
-    inp = build_inputs(chunks, bs, torch.device("cpu"))
-    assert inp.attn.parts is not None and inp.attn.mask is None       # no step-wide mask built
-    lens = torch.tensor([1, 2])                                        # drafts verified per block
-    layout = row_layout(chunks, [True, False, False, True], torch.device("cpu"))
-    trimmed, _ = trim_inputs(inp, layout, lens, num_dropped=3)
-    kept = [RequestChunk([1, 2], 9, [0, 1, 2, 3], 2), chunks[1], chunks[2],
-            RequestChunk([6, 7, 8], 4, [16, 17], 3)]
-    assert trimmed.input_ids.tolist() == [t for c in kept for t in c.token_ids]
-    k_cache = torch.randn(18 * bs, kv_heads, d, generator=g)
-    v_cache = torch.randn(18 * bs, kv_heads, d, generator=g)
-    q = torch.randn(trimmed.input_ids.shape[0], heads, d, generator=g)
-    out = paged_attention(q, k_cache, v_cache, trimmed.attn, 0.3)
-    assert torch.allclose(out, _reference_attention(q, k_cache, v_cache, kept, bs, 0.3), atol=1e-5)
-
-
 @pytest.mark.parametrize("window", [None, 6])
 def test_bf16_verify_and_decode_rows_read_their_keys_in_place_also_after_trimming(window):
     from dspark.models.layers import cpu_kernels
     from dspark.models.layers.attention import paged_attention
-    from dspark.worker.ragged import row_layout, trim_inputs
     if not cpu_kernels.available():
         pytest.skip("needs AVX512-BF16 and a C++ compiler")
     g = torch.Generator().manual_seed(2)
@@ -139,9 +114,8 @@ def test_bf16_verify_and_decode_rows_read_their_keys_in_place_also_after_trimmin
     assert inp.attn.parts is None and inp.attn.token_keys.shape == (9, 3)
     k_cache = torch.randn(18 * bs, kv_heads, d, generator=g).bfloat16()
     v_cache = torch.randn(18 * bs, kv_heads, d, generator=g).bfloat16()
-    layout = row_layout(chunks, [True, False, True], torch.device("cpu"))
-    trimmed, _ = trim_inputs(inp, layout, torch.tensor([1, 2]), num_dropped=3)
-    kept = [RequestChunk([1, 2], 9, [0, 1, 2, 3], 2), chunks[1], chunks[2]]
+    kept = [RequestChunk([1, 2], 9, [0, 1, 2, 3], 2), chunks[1], chunks[2]]   # a verify budget's cut
+    trimmed = build_inputs(kept, bs, torch.device("cpu"), window)
     for attn, step in ((inp.attn, chunks), (trimmed.attn, kept)):
         q = torch.randn(sum(len(c.token_ids) for c in step), heads, d, generator=g).bfloat16()
         with torch.profiler.profile() as prof:

@@ -22,8 +22,11 @@ def test_profile_table_is_complete_monotone_and_fingerprinted(tmp_path):
     before = llm.generate([[3, 4, 5], [7, 8]], greedy)
     table = llm.engine.profile(ProfileConfig(max_tokens=9, max_requests=3, context_len=20,
                                              repeats=1, warmup=0))
-    assert table.max_tokens == 9 and table.max_requests == 3
-    assert all(b >= a > 0 for a, b in zip(table.verify_ms[1:], table.verify_ms[2:]))
+    assert table.max_tokens == 9 and table.max_requests == 3 and table.verify_requests == [1, 2, 3]
+    for fewer, row in zip(table.verify_ms, table.verify_ms[1:]):         # more requests never cheaper
+        assert all(b >= a for a, b in zip(fewer[1:], row[1:]))
+    for row in table.verify_ms:                                          # nor more tokens
+        assert all(b >= a > 0 for a, b in zip(row[1:], row[2:]))
     assert all(b >= a > 0 for a, b in zip(table.draft_ms[1:], table.draft_ms[2:]))
     assert table.fingerprint == llm.engine.cost_fingerprint() and table.fingerprint["gamma"] == 3
     table.save(str(tmp_path / "cost.json"))
@@ -46,7 +49,7 @@ def test_profile_times_the_bucket_staircase(tmp_path):
     cfg = ProfileConfig(max_tokens=40, max_requests=2, context_len=8, repeats=1, warmup=0, token_stride=12)
     assert _token_sizes(llm.engine.worker, cfg) == [1, 2, 4, 8, 16, 28, 40]
     table = llm.engine.profile(cfg)
-    v = table.verify_ms
+    v = table.verify_ms[0]
     assert v[5] == v[6] == v[7] == v[8] and v[9] == v[16] and v[17] == v[28] and v[29] == v[40]
     assert llm.engine.cost_fingerprint()["buckets"] == [1, 2, 4, 8, 16]
 
@@ -89,7 +92,7 @@ def test_draft_cost_includes_the_context_append(tmp_path, monkeypatch):
                                              repeats=1, warmup=0))
     assert sorted(set(appended)) == [4, 8] and len(appended) == 2
     assert table.draft_ms[1] >= 30.0 and table.draft_ms[2] >= 30.0
-    assert table.verify_ms[4] < 30.0                      # the verify forward does not append
+    assert max(row[4] for row in table.verify_ms) < 30.0   # the verify forward does not append
 
 
 def test_a_burst_of_load_reaches_every_size_alike(monkeypatch):
@@ -110,3 +113,13 @@ def test_a_burst_of_load_reaches_every_size_alike(monkeypatch):
     cfg = ProfileConfig(repeats=5, warmup=1)
     assert profile._timed_in_rounds([work(1.0), work(2.0), work(3.0), work(4.0)], cfg, bar) == \
         pytest.approx([1.0, 2.0, 3.0, 4.0])
+
+
+def test_step_rows_spread_drafts_over_the_requests_and_the_rest_is_a_joining_prefill():
+    from dspark.worker.profile import request_counts, step_rows
+    assert step_rows(4, 4, gamma=3, longest=10) == [1, 1, 1, 1]
+    assert step_rows(4, 6, gamma=3, longest=10) == [2, 2, 1, 1]
+    assert step_rows(2, 8, gamma=3, longest=10) == [4, 4]
+    assert step_rows(2, 13, gamma=3, longest=10) == [4, 4, 5]
+    assert step_rows(2, 31, gamma=3, longest=10) == [4, 4, 10, 10, 3]
+    assert request_counts(1) == [1] and request_counts(12) == [1, 2, 4, 8, 12]
