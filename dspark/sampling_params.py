@@ -14,6 +14,8 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 GREEDY_TEMPERATURE = 1e-5
 # The most top log-probabilities a request may ask for per token (OpenAI's and vLLM's bound).
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0       # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 
 
 class ParamError(ValueError):
@@ -38,6 +40,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None          # top log-probs per generated token (0: the chosen one's only)
     prompt_logprobs: int | None = None   # top log-probs per prompt token (the first has none)
+    repetition_penalty: float = 1.0      # > 0; tokens of prompt and output: logit > 0 divided, < 0 multiplied
+    presence_penalty: float = 0.0        # [-2, 2], subtracted once from every token the output holds
+    frequency_penalty: float = 0.0       # [-2, 2], subtracted once per occurrence in the output
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> bias in [-100, 100]
+    min_tokens: int = 0                  # EOS and stop_token_ids are banned until this many exist
+    include_stop_str_in_output: bool = False   # keep the stop string that ended the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,10 +74,42 @@ class SamplingParams:
             value = getattr(self, name)
             _check(name, value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                    f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        """The logits adjustments (worker/penalties.py); a token id's upper bound is the
+        vocabulary, checked by the engine that knows it."""
+        _check("logit_bias", self.logit_bias is None or isinstance(self.logit_bias, dict),
+               f"logit_bias must be a mapping of token ids to biases, got {type(self.logit_bias).__name__}")
+        self.logit_bias = dict(self.logit_bias or {})
+        _check("repetition_penalty", _is_number(self.repetition_penalty)
+               and 0 < self.repetition_penalty < math.inf,
+               f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(name, _is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                   f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        for token, bias in self.logit_bias.items():
+            _check("logit_bias", _is_int(token) and 0 <= token <= INT64_MAX,
+                   f"logit_bias keys must be non-negative token ids, got {token!r}")
+            _check("logit_bias", _is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                   f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                   f"got {bias!r} for token {token}")
+        _check("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool),
+               f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty, a bias or min_tokens changes the logits this request samples from
+        (only then does the worker build its token counts)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 def _is_int(value: object) -> bool:

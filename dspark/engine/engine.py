@@ -29,6 +29,7 @@ from dspark.worker.inputs import RequestChunk
 from dspark.worker.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
 from dspark.worker.kv_cache import bytes_per_block, num_blocks_for_budget
 from dspark.worker.logprobs import prompt_logprob_rows
+from dspark.worker.penalties import check_logit_bias, token_history
 from dspark.worker.profile import ProfileConfig
 from dspark.worker.step_key import StepKey
 from dspark.worker.worker import StepResult, Worker, WorkerBatch
@@ -190,6 +191,7 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.top_k > vocab:
             raise ParamError("top_k", f"top_k must be at most the vocabulary size ({vocab}), got {params.top_k}")
+        check_logit_bias(params, vocab)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the context allows "
                              f"(max_model_len={self.max_model_len}, at least one token to generate)")
@@ -311,7 +313,9 @@ class Engine:
                                        len(ids), seq.params.prompt_logprobs)
             prompt_lp += [want] if want else []
             rows = want.rows if want else range(0)          # prompt log-probs, when asked
-            chunks.append(RequestChunk(ids, start, seq.block_table, num_logits, rows))
+            history = token_history(seq.params, seq.prompt_token_ids, seq.output_token_ids,
+                                    self.eos_token_ids) if s.sample else None     # penalties
+            chunks.append(RequestChunk(ids, start, seq.block_table, num_logits, rows, history))
             if s.sample:
                 params.append(seq.params)
                 gens.append(seq.generator)

@@ -62,13 +62,18 @@ class OutputProcessor:
 
     def _check_token(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
+        if seq.num_output_tokens < params.min_tokens:       # not yet a stop (as vLLM), only a length
+            return self._check_length(seq)
         if token in params.stop_token_ids:
             seq.stop_reason = token
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
             seq.stop_reason = token
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        return self._check_length(seq)
+
+    def _check_length(self, seq: Sequence) -> str | None:
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -84,11 +89,17 @@ class OutputProcessor:
             self._offsets[seq.request_id] = (read, len(ids))
 
     def _check_stop_strings(self, seq: Sequence, before: int) -> str | None:
-        for stop in seq.params.stop:
+        """A stop string in the new text ends it there (after it with include_stop_str_in_output);
+        none counts until more than min_tokens tokens exist (vLLM's rule)."""
+        params = seq.params
+        if seq.num_output_tokens <= params.min_tokens:
+            return None
+        for stop in params.stop:
             start = max(0, before - len(stop) + 1)
             index = seq.output_text.find(stop, start)
             if index >= 0:
-                seq.output_text = seq.output_text[:index]
+                end = index + len(stop) if params.include_stop_str_in_output else index
+                seq.output_text = seq.output_text[:end]
                 seq.stop_reason = stop
                 return "stop"
         return None

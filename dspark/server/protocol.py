@@ -65,18 +65,18 @@ class SamplingFields(_Request):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    # not implemented: refused unless neutral (unsupported.py)
-    n: StrictInt | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None         # token id (a string, as JSON keys are) -> bias
     repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    # not implemented: refused unless neutral (unsupported.py)
+    n: StrictInt | None = None
     length_penalty: Number | None = None
     use_beam_search: StrictBool | None = None
-    logit_bias: dict[str, Any] | None = None
-    min_tokens: StrictInt | None = None
     bad_words: list[Text] | None = None
     allowed_token_ids: TokenIds | None = None
-    include_stop_str_in_output: StrictBool | None = None
     truncate_prompt_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None
     spaces_between_special_tokens: StrictBool | None = None

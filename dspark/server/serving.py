@@ -63,10 +63,14 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
     and else SamplingParams' own; a bad value is a 400 naming the field."""
     kwargs: dict = dict(defaults or {}, seed=req.seed, stop=_stops(req),
                         stop_token_ids=list(req.stop_token_ids or []))
-    for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "skip_special_tokens"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "skip_special_tokens",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+                 "include_stop_str_in_output"):
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
+    if req.logit_bias:
+        kwargs["logit_bias"] = _logit_bias(req.logit_bias)
     kwargs.update(logprob_params(req))
     if max_tokens is not None:        # echo with max_tokens 0: one token, dropped (logprobs.py)
         kwargs["max_tokens"] = 1 if prompt_only(req, max_tokens) else max_tokens
@@ -78,6 +82,18 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
             param = max_tokens_param
             message = message.replace("max_tokens", max_tokens_param, 1)
         raise APIError(400, message, param=param, code="invalid_value") from exc
+
+
+def _logit_bias(bias: dict[str, Any]) -> dict[int, Any]:
+    """OpenAI sends token ids as JSON object keys, so as strings: each must spell a token id (the
+    values are checked by SamplingParams)."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias keys must be token ids (decimal integers), got {key[:32]!r}",
+                           param="logit_bias", code="invalid_value")
+        out[int(key)] = value
+    return out
 
 
 def completion_prompts(req: CompletionRequest, limits: ServerLimits) -> list[str | list[int]]:

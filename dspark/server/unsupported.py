@@ -1,6 +1,6 @@
 """Request fields that would change the answer but are not implemented: refused, never ignored.
 
-Clients often send such a field at its neutral value (`repetition_penalty: 1.0`, `n: 1`,
+Clients often send such a field at its neutral value (`length_penalty: 1.0`, `n: 1`,
 `tool_choice: "none"`), which asks for exactly what the server does, so only a value that would
 change the output is refused, with a 400 naming the field. Fields this server does not know at
 all are logged once per name: they are accepted (OpenAI clients send many that change nothing
@@ -37,16 +37,10 @@ _FALSE = _is(None, False)
 # field -> (neutral value test, what is missing)
 SHARED: dict[str, tuple[Neutral, str]] = {
     "n": (_is(None, 1), "only n=1 is supported"),
-    "presence_penalty": (_is(None, 0, 0.0), "penalties are not implemented"),
-    "frequency_penalty": (_is(None, 0, 0.0), "penalties are not implemented"),
-    "repetition_penalty": (_is(None, 1, 1.0), "penalties are not implemented"),
     "length_penalty": (_is(None, 1, 1.0), "beam search is not implemented"),
     "use_beam_search": (_FALSE, "beam search is not implemented"),
-    "logit_bias": (_empty, "logit biases are not implemented"),
-    "min_tokens": (_is(None, 0), "min_tokens is not implemented"),
     "bad_words": (_empty, "bad_words is not implemented"),
     "allowed_token_ids": (_NONE, "allowed_token_ids is not implemented"),
-    "include_stop_str_in_output": (_FALSE, "the stop string is always left out of the output"),
     "truncate_prompt_tokens": (_NONE, "prompt truncation is not implemented"),
     "prompt_logprobs": (_NONE, "prompt log-probabilities are returned only through 'echo' with "
                                "'logprobs' on /v1/completions"),

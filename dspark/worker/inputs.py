@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.models.layers.attention import AttentionMetadata, AttentionPart
+from dspark.worker.penalties import TokenHistory
 
 
 @dataclass
@@ -18,6 +19,7 @@ class RequestChunk:
     block_table: list[int]
     num_logits: int             # logits rows wanted, taken from the end of the chunk (0: none)
     prompt_rows: range = range(0)   # rows whose logits also come back, before those (prompt log-probs)
+    history: TokenHistory | None = None   # a sampling chunk's penalties read it (None: no penalty)
 
 
 @dataclass

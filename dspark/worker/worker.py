@@ -29,6 +29,7 @@ from dspark.worker.graphs import StepGraphs, dummy_metadata
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
 from dspark.worker.logprobs import LogprobCollector, PromptLogprobRows, split_logits
+from dspark.worker.penalties import penalised_logits
 from dspark.worker.sampler import SamplingTensors, sample
 from dspark.worker.step_key import StepKey
 
@@ -230,6 +231,9 @@ class Worker:
 
     def _accept(self, logits, batch, sampling, spec_idx, proposal, st, lens) -> StepResult:
         logits, prompt_logits = split_logits(logits, batch.chunks)
+        raw, logits = logits, penalised_logits(    # penalties for sampling; log-probs read raw rows
+            logits, [c.history for c in sampling], batch.params, [c.num_logits for c in sampling],
+            batch.spec, proposal.tokens if proposal is not None else None)
         wanted = LogprobCollector()
         if prompt_logits is not None:
             wanted.add_prompt(prompt_logits, batch.prompt_logprobs)
@@ -240,7 +244,7 @@ class Worker:
             last = torch.tensor(_last_rows(counts, plain_idx), device=self.device)
             tokens = sample(logits[last], st.select(plain_idx))
             parts.append(tokens)
-            self._want(wanted, batch.params, plain_idx, logits, last, tokens)
+            self._want(wanted, batch.params, plain_idx, raw, last, tokens)
         if spec_idx:
             width = proposal.tokens.shape[1] + 1
             block_rows = torch.tensor(_block_rows(counts, spec_idx, width), device=self.device)  # [R, γ+1]
@@ -252,7 +256,7 @@ class Worker:
             parts += [res.num_accepted, lens, res.tokens.flatten()]
             if proposal.confidence_logits is not None:
                 parts.append(proposal.confidence_logits.flatten())
-            self._want(wanted, batch.params, spec_idx, logits, block_rows, res.tokens)
+            self._want(wanted, batch.params, spec_idx, raw, block_rows, res.tokens)
         if not parts and not wanted.parts:   # only prefill chunks that do not reach a prompt's end
             return StepResult(tokens=[], num_accepted=[], spec_rows=[])
         flat = torch.cat([p.float() for p in parts + wanted.parts]).tolist()   # the step's one copy

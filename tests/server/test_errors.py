@@ -37,7 +37,7 @@ COMPLETION_CASES = [
     (dict(logprobs=-1), 400, "logprobs", "logprobs must be null or an integer in [0, 20]"),
     (dict(echo=True, max_tokens=0, logprobs=21), 400, "logprobs", "[0, 20]"),
     (dict(best_of=3), 400, "best_of", "not supported"),
-    (dict(presence_penalty=0.5), 400, "presence_penalty", "not supported"),
+    (dict(presence_penalty=2.5), 400, "presence_penalty", "presence_penalty must be in [-2, 2]"),
     (dict(stream_options={"include_usage": True}), 400, "stream_options", "only allowed when"),
     (dict(model="gpt-4"), 404, "model", "the model 'gpt-4' does not exist"),
 ]
