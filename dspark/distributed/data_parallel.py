@@ -5,7 +5,7 @@ front end queued (adds routed to a rank, aborts, stop); (2) each rank plans its 
 included, and the ranks agree on its shape in one all-gather (agreement.py); (3) each rank runs
 the agreed key, live rows padded, an idle rank as a complete dummy query; (4) the outputs are
 gathered on rank 0, which streams them to the clients. Lockstep is what makes the agreement
-possible; it costs a few hundred microseconds of collectives per step.
+possible; its price is a few small collectives per step (docs/measurements.md).
 """
 
 from __future__ import annotations

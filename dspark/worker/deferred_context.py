@@ -5,11 +5,12 @@ not sooner. A step in which no request drafts (a prefill, or plain decode rows t
 planner chose) leaves its rows here, and the next step that drafts appends them all before its
 drafter pass, in one call. Under load the planner may draft nothing for hundreds of steps, and
 many requests finish in between: their rows are dropped when their KV blocks are released, so a
-request that never drafts again never costs an append (at 16 requests on a 2-core CPU the
-appends had cost about 2% of plain decoding's time). The rows live in one buffer that grows by
-doubling up to `max_bytes` (thousands of small held tensors, and the copies that join them,
-had slowed every large allocation of the step); when it is full, the rows of released blocks
-are dropped and, if at least half of it is still live, the rest are appended.
+request that never drafts again never costs an append (appended at every step instead, they
+had cost a measurable share of plain decoding's time under load, docs/measurements.md). The
+rows live in one buffer that grows by doubling up to `max_bytes` (thousands of small held
+tensors, and the copies that join them, had slowed every large allocation of the step); when it
+is full, the rows of released blocks are dropped and, if at least half of it is still live,
+the rest are appended.
 
 Order is what keeps this exact: the rows are appended in the order their steps ran, and before
 any later step's own rows, so a slot that was freed and handed to another request ends with its

@@ -1,12 +1,13 @@
 """`--graph auto`: CUDA graphs on NVIDIA; on a CPU, whichever of compile and eager is faster here.
 
 Which backend wins on a CPU depends on the model, the dtype, the thread count and the torch build
-(README, Graph buckets: compiled SmolLM2 has measured 0.96-1.09x eager for plain decoding
-and 0.92-1.21x for DSpark), so it is measured rather than assumed: the 1-token bucket, eager and compiled, medians of
-all-dummy replays taken alternately (on a shared machine a burst of foreign load would otherwise
-land on one backend only: one start measured compile at 2.6x eager, where interleaved it is 0.9-1.1x). An all-dummy step skips attention, which is eager under both backends
-anyway, so the timing is the part the backends differ in. Compiling every bucket costs tens of
-seconds at each start, so compile must win by `min_gain`. The verdict is kept in a small JSON
+(compiled SmolLM2 has measured a little slower than eager in some runs and faster in others,
+docs/measurements.md), so it is measured rather than assumed: the 1-token bucket, eager and
+compiled, medians of all-dummy replays taken alternately (on a shared machine a burst of foreign
+load would otherwise land on one backend only and skew the verdict far past the real
+difference). An all-dummy step skips attention, which is eager under both backends anyway, so
+the timing is the part the backends differ in. Compiling every bucket costs tens of seconds at
+each start, so compile must win by `min_gain`. The verdict is kept in a small JSON
 file keyed by a fingerprint of what it depends on, and a later start reuses it.
 """
 

@@ -36,10 +36,9 @@ def token_buckets(max_tokens: int, smallest: tuple[int, ...] = (1, 2, 4, 8)) -> 
     two, up to max_tokens (included).
 
     Past 64 rows a step leaves the fused layer kernel (fused_stack.py) for the graphs, a jump of
-    its own that then grows slowly (a verify step of 64 rows took 37 ms on this project's 2-core
-    CPU, of 72 rows 54, of 96 rows 59, of 128 rows 69), so a mixed step of one prompt and a few
+    its own that then grows slowly with the row count, so a mixed step of one prompt and a few
     decode or verify rows would pay mostly for padding in a 128-row bucket. Each bucket more
-    costs about a second of compilation at start-up, hence the coarser steps further up."""
+    adds its compilation to start-up, hence the coarser steps further up (docs/measurements.md)."""
     sizes = {b for b in smallest if b <= max_tokens}
     low = 8
     for step, top in ((8, 64), (16, 128), (32, 256)):

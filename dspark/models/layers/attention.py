@@ -97,9 +97,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """One query per request: q [R, H, D], keys/values [R, KVH, L, D], mask [R, 1, 1, L] or None.
 
-    Two batched matmuls with the query heads grouped under their K/V head. On CPUs the fused SDPA
-    kernel is tuned for long queries; for single-row queries this is 2x (one request) to 13x
-    (64 requests) faster in bf16, with an fp32 softmax.
+    Two batched matmuls with the query heads grouped under their K/V head, with an fp32 softmax.
+    On CPUs the fused SDPA kernel is tuned for long queries; for single-row queries this is faster
+    in bf16, the more so the more requests share the step (docs/measurements.md).
     """
     r, h, d = q.shape
     kvh, length = keys.shape[1], keys.shape[2]

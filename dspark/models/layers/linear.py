@@ -1,20 +1,19 @@
 """The projection layer every module uses, and its inference layout on CPUs.
 
 A decode step on a CPU is a chain of small matrix-vector products, so how fast the weights
-stream decides the step. oneDNN reads a weight in its own blocked layout about twice as fast
-as the plain row-major layout `F.linear` hands it (bf16, 2 threads, SmolLM2's projections: 13-17
-GB/s plain against 23-36 GB/s blocked at one row, 1.5-2x at eight rows, equal from 64 rows on),
-and the results are bit-identical, because the kernel is the same and only the layout differs.
+stream decides the step. oneDNN reads a bf16 weight in its own blocked layout much faster than
+the plain row-major layout `F.linear` hands it for the few-row products of decoding, and level
+with it at large row counts (docs/measurements.md); the results are bit-identical, because the
+kernel is the same and only the layout differs.
 `pack_linears` converts an inference model once after loading; training never packs, because a
 packed copy does not follow updates to the weight.
 
 Projections of a few rows go faster still through dspark's kernel (`cpu_kernels`), which reads
 its own tile-by-tile copy of the weight, kept beside the oneDNN copy on CPUs with AVX512-BF16.
-With AMX it takes up to 64 rows (a chain of SmolLM2's projections at 1-16 rows streams at 16-21
-GB/s against oneDNN's 7-13 GB/s, and at 24-64 rows at 7-16 GB/s against 4-8 GB/s, with a 21 GB/s
-plain read alongside); without, its dot products take up to 16 rows (1.1-1.5x oneDNN at 1-8 rows
-on a Zen 5 CPU, 0.9-1.2x at 16, slower past it on the wide LM heads; a fused layer's own
-projections take up to 64, fused_stack.py).
+With AMX it takes up to 64 rows, over all of which its weight stream stays ahead of oneDNN's;
+without, its dot products take up to 16 rows: ahead of oneDNN at a few rows, about level at 16,
+slower past it on the wide LM heads (docs/measurements.md; a fused layer's own projections take
+up to 64, fused_stack.py).
 """
 
 from __future__ import annotations
@@ -49,9 +48,9 @@ def _packed_linear_shape(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tens
 def lower_packed_linear() -> None:
     """Have inductor call oneDNN's operator directly where a compiled graph uses `packed_linear`.
 
-    Left alone, inductor calls the custom op through its Python wrapper: in a compiled chain of 60
-    one-row projections that cost ~9 us per projection (best of 300 calls, 2.50 vs 3.06 ms), ~1 ms
-    of a SmolLM2 decode step. Its own lowering of `_linear_pointwise` wants the weight as a frozen
+    Left alone, inductor calls the custom op through its Python wrapper, whose per-call overhead,
+    paid once per projection, adds up to a noticeable share of a small decode step
+    (docs/measurements.md). Its own lowering of `_linear_pointwise` wants the weight as a frozen
     graph constant, which a packed buffer is not, so this lowering emits a plain extern call to the
     operator instead. Registered once per process (cached), before compiling.
     """
@@ -76,7 +75,8 @@ def linear(x: Tensor, weight: Tensor, packed: Tensor | None, bias: Tensor | None
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         return packed_linear(x, packed, bias)
-    # eagerly the operator itself: the custom op's Python dispatch costs ~15 us a call
+    # eagerly the operator itself: the custom op's Python dispatch would add its own overhead to
+    # every small projection (docs/measurements.md)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -102,7 +102,7 @@ class Linear(nn.Linear):
 
 
 def can_pack(weight: Tensor) -> bool:
-    """oneDNN's layout pays only for CPU weights of the dtypes measured above."""
+    """oneDNN's layout pays only for CPU weights of the dtypes measured (docs/measurements.md)."""
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
             and torch.backends.mkldnn.is_available())
 
