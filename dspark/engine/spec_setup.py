@@ -21,7 +21,7 @@ from dspark.spec.planner import CostTable
 from dspark.spec.policy import SpecPolicy
 from dspark.spec.sts import STSCalibration
 from dspark.worker.graphs import StepGraphs
-from dspark.worker.profile import ProfileConfig
+from dspark.worker.profile import PROFILE_VERSION, ProfileConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def cost_fingerprint(config: EngineConfig, drafter: Drafter | None, graphs: Step
             "drafter_config": _file_digest(config.spec.drafter, "config.json"),
             "gamma": drafter.config.block_size if drafter is not None else 0,
             "num_threads": torch.get_num_threads() if device.type == "cpu" else None,
-            "graph": graphs.mode, "buckets": graphs.buckets}
+            "graph": graphs.mode, "buckets": graphs.buckets, "profile": PROFILE_VERSION}
 
 
 def load_sts(config: EngineConfig, drafter: Drafter | None, gamma: int) -> STSCalibration | None:

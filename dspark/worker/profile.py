@@ -5,9 +5,9 @@ to T_max (and every Nth count past the largest), as the engine runs such a step:
 and the target's forward at the bucket, the tokens spread over the requests as a verify budget
 spreads drafts (at most γ+1 rows each, the rest a prefill chunk joining them). The request
 count matters as much as the tokens: each request reads its own K/V context. Draft cost for
-every request count 1..R_max is the worker's drafter pass plus the drafter's context append of
-those requests' verify rows (γ+1 each): both are what a step that drafts pays and a plain step
-does not. All at a realistic context length, median of N rounds that time every shape once
+every request count 1..R_max is what a step that drafts pays and a plain step does not: the
+worker's drafter pass, the verify lengths allocated and read back, the greedy acceptance of
+every block's rows and the drafter's context append of those rows (γ+1 each). All at a realistic context length, median of N rounds that time every shape once
 each, after warm-up, then made monotone (a larger step never costs less: the noise of a shared
 machine must not make the planner chase phantom dips). The engine must be idle: profiling
 writes scratch K/V into blocks no request owns yet.
@@ -23,11 +23,17 @@ import torch
 from tqdm import tqdm
 
 from dspark.sampling_params import SamplingParams
+from dspark.models.layers.cpu_kernels import greedy_tokens
+from dspark.spec.allocate import allocate
 from dspark.spec.draft import append_context
+from dspark.spec.verify import accept_greedy
 from dspark.spec.planner import CostTable
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.sampler import SamplingTensors
 from dspark.worker.worker import Worker
+
+
+PROFILE_VERSION = 2       # what a step's costs include; a table measured otherwise is measured again
 
 
 @dataclass
@@ -97,7 +103,10 @@ def request_counts(max_requests: int) -> list[int]:
     return sorted(counts)
 
 
-def _draft_fn(worker: Worker, num_requests: int, context_len: int):
+def _draft_fn(worker: Worker, num_requests: int, context_len: int, logits: torch.Tensor):
+    """A drafting step's own work: the drafter pass, the verify lengths read back, the greedy
+    acceptance of every block's rows and the context append; `logits` [≥ R·(γ+1), V] stand in
+    for the target's."""
     dev = worker.device
     rows = worker.drafter.config.block_size + 1                       # a verify block: anchor + γ
     table_lists = _tables(worker, num_requests, context_len,             # pages for both passes
@@ -109,9 +118,17 @@ def _draft_fn(worker: Worker, num_requests: int, context_len: int):
     aux = torch.randn(num_requests * rows, len(worker.aux_layer_ids) * worker.config.hidden_size,
                       generator=torch.Generator().manual_seed(0)).to(dev, worker.kv_caches[0][0].dtype)
     spec_idx = list(range(num_requests))
+    caps = torch.full((num_requests,), rows - 1, device=dev)
+    block_rows = torch.arange(num_requests * rows, device=dev).view(num_requests, rows)
+    block_logits = logits[:num_requests * rows]
 
     def run():          # as a step drafts: at the request bucket, when there are draft graphs
-        worker._draft(chunks, spec_idx, st)
+        proposal = worker._draft(chunks, spec_idx, st)
+        lens = caps
+        if proposal.confidence_logits is not None:
+            lens = allocate(worker._survival(proposal, caps), num_requests * (rows - 1))
+        lens.tolist()
+        accept_greedy(greedy_tokens(block_logits)[block_rows], lens, proposal)
         attn = verified.attn            # the drafting step's rows into the drafter's context
         append_context(worker.drafter, worker.draft_kv, aux, verified.positions, attn.write_rows,
                        attn.write_slots)
@@ -149,8 +166,10 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
     bar = tqdm(total=2 * cfg.repeats, desc="measuring step costs (target, drafter)", disable=not use_tqdm)
     timed = _timed_in_rounds([_verify_fn(worker, r, t, gamma, cfg.context_len) for r, t in shapes], cfg, bar)
     verify = _verify_rows(dict(zip(shapes, timed)), counts, sizes, cfg.max_tokens)
-    draft = _timed_in_rounds([_draft_fn(worker, r, cfg.context_len) for r in range(1, cfg.max_requests + 1)],
-                             cfg, bar)
+    logits = torch.randn(cfg.max_requests * (gamma + 1), worker.config.vocab_size,
+                         generator=torch.Generator().manual_seed(0)).to(worker.device)
+    draft = _timed_in_rounds([_draft_fn(worker, r, cfg.context_len, logits)
+                              for r in range(1, cfg.max_requests + 1)], cfg, bar)
     bar.close()
     return CostTable(fingerprint=fingerprint, verify_ms=verify, verify_requests=counts,
                      draft_ms=[0.0] + monotone(draft), context_len=cfg.context_len,
