@@ -10,17 +10,14 @@ explicit request value always wins.  Offline, `SamplingParams()` keeps its own d
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from typing import Any
 
 from dspark.sampling_params import ParamError, SamplingParams
 
-logger = logging.getLogger(__name__)
 
-FIELDS = ("temperature", "top_p", "top_k", "min_p")
-UNSUPPORTED = ("repetition_penalty",)          # read, reported, not applied
+FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # transformers' GenerationConfig defaults: vLLM applies only the values that differ from them
 # (its `to_diff_dict`), so a file restating one of these leaves the engine's own default.
 HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None,
@@ -75,7 +72,7 @@ def read_folder_sampling(path: str) -> dict[str, Any]:
         raise ValueError(f"{file} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object")
-    return {name: config[name] for name in (*FIELDS, *UNSUPPORTED)
+    return {name: config[name] for name in FIELDS
             if config.get(name) is not None and config[name] != HF_DEFAULTS[name]}
 
 
@@ -90,10 +87,6 @@ def read_gguf_sampling(path: str) -> dict[str, Any]:
 def _usable(raw: dict[str, Any], source: str) -> Defaults:
     picked: Defaults = {}
     for name, value in raw.items():
-        if name in UNSUPPORTED:
-            logger.info("%s recommends %s=%s, which this engine does not implement; ignored",
-                        source, name, value)
-            continue
         picked[name] = _number(name, value, source)
     try:
         SamplingParams(**picked)

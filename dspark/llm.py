@@ -9,12 +9,14 @@ from tqdm import tqdm
 
 from dspark.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpecConfig
 from dspark.engine.engine import Engine
+from dspark.engine.parallel_sampling import merge_outputs, request_ids
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
 
 
 class LLM:
-    """Completes raw prompts (no chat template); one RequestOutput per prompt, in order.
+    """Completes raw prompts (no chat template); one RequestOutput per prompt, in order (with
+    `SamplingParams.n > 1` its `outputs` holds the n completions; text and token_ids are the first's).
 
     With no model, the embedded SmolLM2-135M-Instruct is served with its shipped DSpark drafter
     and calibration; `drafter=None` decodes plainly, a folder names another drafter.
@@ -61,14 +63,16 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        children = [request_ids(i, sp.n) for i, sp in zip(ids, plist)]      # n > 1: one per completion
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+        with tqdm(total=sum(map(len, children)), desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
-        return [done[i] for i in ids]
+        return [done[i] if sp.n == 1 else merge_outputs(i, [done[c] for c in cs])
+                for i, sp, cs in zip(ids, plist, children)]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         if self.tokenizer is None:

@@ -59,6 +59,22 @@ class SpecStats:
                 out.accepted_per_position[i] += a
         return out
 
+    def since(self, before: "SpecStats") -> "SpecStats":
+        """The counters added since `before` (clamped at zero should the totals be reset meanwhile)."""
+        def diff(a: int, b: int) -> int:
+            return max(0, a - b)
+
+        old = before.accepted_per_position
+        positions = [diff(a, old[i] if i < len(old) else 0) for i, a in enumerate(self.accepted_per_position)]
+        return SpecStats(draft_rounds=diff(self.draft_rounds, before.draft_rounds),
+                         drafted_tokens=diff(self.drafted_tokens, before.drafted_tokens),
+                         verified_tokens=diff(self.verified_tokens, before.verified_tokens),
+                         accepted_tokens=diff(self.accepted_tokens, before.accepted_tokens),
+                         accepted_per_position=positions,
+                         undrafted_steps=diff(self.undrafted_steps, before.undrafted_steps),
+                         predicted_accepted_tokens=max(0.0, self.predicted_accepted_tokens
+                                                       - before.predicted_accepted_tokens))
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted over verified drafts (trimmed drafts are not rejections)."""
@@ -71,7 +87,23 @@ class SpecStats:
 
 
 @dataclass
+class CompletionOutput:
+    """One of a request's n completions (vLLM's CompletionOutput); `index` is its place in 0..n-1."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None    # sum of the chosen tokens' log-probs (logprobs asked)
+
+
+@dataclass
 class RequestOutput:
+    """A request's output. With `SamplingParams.n > 1` the engine streams one output per completion
+    (`request_id` the child's, `index` its place) and `LLM.generate` merges each request's into one
+    whose `outputs` holds all n in index order; `text`, `token_ids`, `finish_reason`,
+    `stop_reason` and `logprobs` stay those of the first completion, so n = 1 code is unchanged."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -87,3 +119,15 @@ class RequestOutput:
     error: str | None = None           # why the engine failed this request (finish_reason "error")
     logprobs: list[TokenLogprobs] | None = None       # per generated token (params.logprobs set)
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # per prompt token, the first None
+    index: int = 0                     # which of the request's n completions this is
+    completions: list[CompletionOutput] | None = None   # all n (merged outputs); None: this one
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: every completion of the request (one unless merged from n children)."""
+        if self.completions is not None:
+            return self.completions
+        cumulative = None if self.logprobs is None else sum(
+            next(iter(entry.values())) for entry in self.logprobs if entry)
+        return [CompletionOutput(self.index, self.text, self.token_ids, self.finish_reason,
+                                 self.stop_reason, self.logprobs, cumulative)]

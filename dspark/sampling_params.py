@@ -16,6 +16,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0       # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
+MAX_N = 16384           # completions per prompt (vLLM's default VLLM_MAX_N_SEQUENCES)
 
 
 class ParamError(ValueError):
@@ -28,6 +29,12 @@ class ParamError(ValueError):
 
 @dataclass
 class SamplingParams:
+    """How one request samples. `n` > 1 asks for n completions of the prompt (parallel sampling,
+    engine/parallel_sampling.py): the prompt is prefilled once and its blocks shared. The seed
+    rule is vLLM's (vllm/v1/engine/parallel_sampling.py, ParentRequest): completion i samples as
+    a request with `seed + i` would (`seed` None: each unseeded), so `n=4, seed=s` gives exactly
+    the four requests seeded s, s+1, s+2, s+3. As in vLLM, greedy sampling takes n = 1 only (n
+    greedy completions would be n copies of one)."""
     temperature: float = 1.0          # 0 (below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0                    # 0 or -1 disables
     top_p: float = 1.0
@@ -46,6 +53,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> bias in [-100, 100]
     min_tokens: int = 0                  # EOS and stop_token_ids are banned until this many exist
     include_stop_str_in_output: bool = False   # keep the stop string that ended the text
+    n: int = 1                           # completions of the prompt (completion i: seed + i)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +74,7 @@ class SamplingParams:
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check("seed", self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
                f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        self._check_n()
         _check("stop", all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings")
         _check("stop_token_ids", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
@@ -75,6 +84,16 @@ class SamplingParams:
             _check(name, value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                    f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         self._check_penalties()
+
+    def _check_n(self) -> None:
+        """n completions: vLLM's bound and its refusal of greedy n > 1; completion i's seed
+        (seed + i) must stay a valid seed."""
+        _check("n", _is_int(self.n) and 1 <= self.n <= MAX_N,
+               f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _check("n", self.n == 1 or not self.greedy,
+               f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
+        _check("seed", self.seed is None or self.seed + self.n - 1 <= INT64_MAX,
+               f"seed + n - 1 (the last completion's seed) must be at most 2**63 - 1, got seed={self.seed}")
 
     def _check_penalties(self) -> None:
         """The logits adjustments (worker/penalties.py); a token id's upper bound is the

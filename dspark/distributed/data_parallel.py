@@ -126,7 +126,7 @@ class DPRank:
         blocks = self.engine.block_manager
         shape = LocalShape(status=STOPPING if stopping else OK, captured_mask=self.captured_mask,
                            rejected=rejected,
-                           waiting=len(self.engine.scheduler.waiting),
+                           waiting=self.engine.scheduler.num_waiting,
                            running=len(self.engine.scheduler.running),
                            free_blocks=blocks.num_free_blocks, num_blocks=blocks.num_blocks)
         if prepared is not None:

@@ -24,6 +24,7 @@ from dspark.distributed.data_parallel import Abort, Add, DPRank, Iteration, Stop
 from dspark.distributed.failure import DPGroupError, GroupFailure, diagnose, exit_text
 from dspark.distributed.router import Router
 from dspark.engine.engine import Engine, EngineLoad
+from dspark.engine.parallel_sampling import request_ids
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
 from dspark.worker.step_key import StepKey
@@ -46,6 +47,8 @@ class DPEngine:
         self.router = Router(self.group.world_size)
         self.pending: list = []
         self._ids = itertools.count()
+        self._fanned: dict[str, set[str]] = {}     # request (n > 1) -> its completions in flight
+        self._parent: dict[str, str] = {}          # completion -> its request
         self._spec = [SpecStats() for _ in range(self.group.world_size)]
         self._load = EngineLoad(0, 0, 0, 0)
         self.failure: GroupFailure | None = None
@@ -82,16 +85,41 @@ class DPEngine:
         params = params or SamplingParams()
         self.local.check_request(prompt, params)          # refused here, before routing
         request_id = request_id if request_id is not None else f"dp-{next(self._ids)}"
-        rank = self.router.assign(request_id)
+        ids = request_ids(request_id, params.n)       # n > 1: every completion on one rank
+        if request_id in self.router.owner or any(i in self.router.owner for i in ids):
+            raise ValueError(f"request id {request_id!r} is already running")
+        rank = self.router.assign(ids[0])
+        for child in ids[1:]:
+            self.router.assign(child, rank)
+        if len(ids) > 1:
+            self._fanned[request_id] = set(ids)
+            self._parent.update((child, request_id) for child in ids)
         self.pending.append(Add(rank, request_id, prompt, params, arrival_time or time.perf_counter()))
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        rank = self.router.release(request_id)
-        if rank is None:
+        """A request (all its completions) or one completion, by its child id."""
+        ranks = [self._release(i) for i in self._owned(request_id)]
+        if not ranks:
             return False
-        self.pending.append(Abort(rank, request_id))
+        self.pending.append(Abort(ranks[0], request_id))
         return True
+
+    def _owned(self, request_id: str) -> list[str]:
+        """The router's ids of a request: its own, or those of its completions (n > 1)."""
+        if request_id in self.router.owner:
+            return [request_id]
+        return sorted(self._fanned.get(request_id, ()))
+
+    def _release(self, request_id: str) -> int | None:
+        """One routed id is done (finished, aborted or refused); its rank, if it was routed."""
+        parent = self._parent.pop(request_id, None)
+        if parent is not None:
+            left = self._fanned[parent]
+            left.discard(request_id)
+            if not left:
+                del self._fanned[parent]
+        return self.router.release(request_id)
 
     def step(self) -> list[RequestOutput]:
         self._check_running()
@@ -107,11 +135,12 @@ class DPEngine:
             self._spec[rank] = report.spec
             for request_id, why in report.rejected:
                 logger.error("rank %d refused request %s: %s", rank, request_id, why)
-                self.router.release(request_id)
+                for i in self._owned(request_id):
+                    self._release(i)
             outputs += report.outputs
         for out in outputs:
             if out.finished:
-                self.router.release(out.request_id)
+                self._release(out.request_id)
         return outputs
 
     def _iterate(self, commands: list) -> Iteration | None:
@@ -217,13 +246,26 @@ def split_threads(config: EngineConfig, local_ranks: int) -> EngineConfig:
     return dataclasses.replace(config, num_threads=threads)
 
 
+def rank_device(config: EngineConfig, local_rank: int) -> EngineConfig:
+    """A rank's own GPU: with `--device cuda` and several data-parallel ranks, rank i of a host
+    takes `cuda:i`. Otherwise every replica would land on GPU 0 and size its KV cache from the
+    whole card."""
+    n = config.parallel.data_parallel_size
+    if not config.device.startswith("cuda") or n <= 1:
+        return config
+    if config.device != "cuda":
+        raise ValueError(f"with --dp {n} each rank takes the GPU of its local rank: pass "
+                         f"--device cuda, not {config.device!r}")
+    return dataclasses.replace(config, device=f"cuda:{local_rank}")
+
+
 def lead_group(config: EngineConfig, store, processes: dict,
                engine_factory: EngineFactory = default_engine) -> DPEngine:
     """Rank 0: wait for the peers to join, build the engine, wait until every rank captured."""
     par = config.parallel
     await_ranks(store, "joined", par.data_parallel_size, processes, par.dp_startup_timeout_s)
     group = RankGroup(store, 0, par.data_parallel_size, par.dp_timeout_s)
-    engine = engine_factory(config, 0)
+    engine = engine_factory(rank_device(config, 0), 0)
     await_ranks(store, "ready", par.data_parallel_size, processes, par.dp_startup_timeout_s)
     logger.info("data-parallel group of %d ranks ready", par.data_parallel_size)
     return DPEngine(DPRank(engine, group), processes)
@@ -245,7 +287,7 @@ def follow_group(config: EngineConfig, store, rank: int,
     store.set(f"joined/{rank}", "1")
     group = RankGroup(store, rank, par.data_parallel_size, par.dp_timeout_s)
     try:
-        engine = engine_factory(config, rank)
+        engine = engine_factory(rank_device(config, rank), rank)
         group.mark("ready")
         dp = DPRank(engine, group)
         while not dp.stopped:

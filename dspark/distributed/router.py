@@ -8,11 +8,12 @@ class Router:
         self.load = [0] * world_size            # requests in flight per rank
         self.owner: dict[str, int] = {}         # request id -> its rank
 
-    def assign(self, request_id: str) -> int:
-        """The rank with the fewest requests in flight (the lowest rank on a tie)."""
+    def assign(self, request_id: str, rank: int | None = None) -> int:
+        """The rank with the fewest requests in flight (the lowest rank on a tie), or `rank`."""
         if request_id in self.owner:
             raise ValueError(f"request id {request_id!r} is already running")
-        rank = min(range(len(self.load)), key=lambda r: (self.load[r], r))
+        if rank is None:
+            rank = min(range(len(self.load)), key=lambda r: (self.load[r], r))
         self.owner[request_id] = rank
         self.load[rank] += 1
         return rank

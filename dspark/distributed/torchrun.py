@@ -45,8 +45,9 @@ def torchrun_rank(config: EngineConfig) -> TorchrunRank | None:
         raise ValueError(f"--dp {asked} disagrees with the launcher's WORLD_SIZE={world}")
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
                                                                       data_parallel_size=world))
-    from dspark.distributed.group import split_threads
+    from dspark.distributed.group import rank_device, split_threads
     config = split_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    config = rank_device(config, int(os.environ.get("LOCAL_RANK", "0")))
     store, rank, _ = next(dist.rendezvous("env://", timeout=_timedelta(config)))
     return TorchrunRank(config, rank, dist.PrefixStore(PREFIX, store))
 

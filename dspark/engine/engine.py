@@ -16,6 +16,7 @@ from dspark.config import EngineConfig
 from dspark.engine.block_manager import BlockManager
 from dspark.engine.isolation import FailureIsolation
 from dspark.engine.output_processor import OutputProcessor
+from dspark.engine.parallel_sampling import fan_out
 from dspark.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dspark.engine.sequence import Sequence
 from dspark.engine.spec_setup import cost_fingerprint, load_sts, spec_policy
@@ -67,6 +68,8 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)          # graphs and streams follow the current device
         loaded = load_target(config.model, config.torch_dtype, device=config.device,
                              max_positions=config.max_model_len or 8192)
         self.model_config = loaded.config
@@ -170,11 +173,12 @@ class Engine:
         params = params or SamplingParams()
         text, ids = self.check_request(prompt, params, request_id)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
+        seqs = fan_out(request_id, ids, params, text, arrival_time, self.block_manager.block_size)
+        if request_id in self.requests or any(s.request_id in self.requests for s in seqs):
             raise ValueError(f"request id {request_id!r} is already running")
-        seq = Sequence(request_id, ids, params, prompt=text, arrival_time=arrival_time)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        for seq in seqs:              # n > 1: one per completion (parallel_sampling.py)
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
         return request_id
 
     def check_request(self, prompt: str | list[int], params: SamplingParams,
@@ -210,9 +214,10 @@ class Engine:
         raise TypeError("a prompt is a string or a list of token ids")
 
     def abort(self, request_id: str) -> bool:
+        """Abort a request (all its completions) or one completion (by its child id)."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
-            return False
+            return any([self.abort(child) for child in self.scheduler.parallel.child_ids(request_id)])
         self.scheduler.finish(seq, "abort")
         self.output_processor.release(seq)
         return True
@@ -239,7 +244,7 @@ class Engine:
 
     def load(self) -> EngineLoad:
         blocks = self.block_manager
-        return EngineLoad(len(self.scheduler.waiting), len(self.scheduler.running),
+        return EngineLoad(self.scheduler.num_waiting, len(self.scheduler.running),
                           blocks.num_free_blocks, blocks.num_blocks)
 
     # ---- the step -----------------------------------------------------------------------------

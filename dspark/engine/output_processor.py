@@ -55,7 +55,8 @@ class OutputProcessor:
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, metrics=seq.metrics,
             spec=seq.spec, new_text=new_text, new_token_ids=new_ids,
             logprobs=None if seq.output_logprobs is None else list(seq.output_logprobs),
-            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))
+            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
+            index=seq.index)
 
     def release(self, seq: Sequence) -> None:
         self._offsets.pop(seq.request_id, None)

@@ -4,6 +4,8 @@ Every step is one mixed batch: running requests first (a decode token, or the ne
 prefill), then waiting requests while budget, sequence slots and KV blocks last.  When a running
 request cannot grow, the most recently admitted one is preempted by recompute: its blocks are
 freed and it re-enters the queue at the front, to be prefilled again over prompt + output.
+The n completions of one request (n > 1) start on the prompt blocks the first one computed
+(parallel_sampling.py decides which waits, which attaches, and what the group keeps).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from dspark.config import SchedulerConfig
 from dspark.engine.block_manager import BlockManager
+from dspark.engine.parallel_sampling import ParallelSampling
 from dspark.engine.sequence import Sequence, SequenceStatus
 from dspark.spec.planner import StepPlan
 from dspark.spec.policy import Candidate, SpecPolicy, StepContext
@@ -58,13 +61,25 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.policy = policy                        # None: every speculative request verifies all
+        self.parallel = ParallelSampling(block_manager)    # completions sharing a prompt (n > 1)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.parallel.add(seq)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: queued, or parked until a sibling computed their shared prompt."""
+        return len(self.waiting) + self.parallel.num_parked
+
+    def _requeue(self, seqs: list[Sequence]) -> None:
+        """Back to the head of the queue, in order."""
+        for seq in reversed(seqs):
+            self.waiting.appendleft(seq)
 
     def schedule(self, only: Sequence | None = None) -> SchedulerOutput:
         """Running requests first (decode, speculative blocks, prefill chunks), then waiting ones
@@ -74,6 +89,7 @@ class Scheduler:
         nothing admitted (the engine runs the requests of a failed step one at a time)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._requeue(self.parallel.publish_running())
         for seq in list(self.running) if only is None else [only]:
             if budget == 0:
                 break
@@ -117,8 +133,16 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.parallel.must_wait(seq):        # a sibling is computing the prompt they share
+                self.parallel.park(self.waiting.popleft())
+                continue
+            attached = self.parallel.attach(seq)
             item = self._plan(seq, budget)
             if not self.block_manager.ensure(seq.block_table, seq.num_computed_tokens + item.num_new_tokens):
+                if attached:
+                    self.parallel.detach(seq)
+                if not self.running and self.parallel.drop_idle():
+                    continue                        # idle groups' shared prompts held the room
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -151,24 +175,29 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        requeue = self.parallel.leaving(seq)
         self.running.remove(seq)
         self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
+        self._requeue(requeue)
         self.waiting.appendleft(seq)
         logger.debug("preempted %s (recompute)", seq.request_id)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finished or aborted: release the KV blocks at once."""
+        requeue = self.parallel.leaving(seq)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
+        elif seq.status == SequenceStatus.WAITING and not self.parallel.unpark(seq):
             self.waiting.remove(seq)
         self.block_manager.free(seq.block_table)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.parallel.finished(seq)
+        self._requeue(requeue)
         if self.policy is not None:
             self.policy.forget(seq.request_id)
         seq.metrics.finished_time = time.perf_counter()

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from dspark.outputs import RequestMetrics, SpecStats, TokenLogprobs
 from dspark.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dspark.engine.parallel_sampling import SampleGroup
 
 
 class SequenceStatus(enum.Enum):
@@ -42,6 +46,8 @@ class Sequence:
             None if params.prompt_logprobs is None else [None])
         self.sent_text_len = 0
         self.sent_token_len = 0
+        self.index = 0                        # which of its request's n completions (n > 1)
+        self.group: SampleGroup | None = None  # the completions sharing its prompt (n > 1)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -223,10 +223,11 @@ def _check_reduced_lm_head(tensors: dict[str, torch.Tensor], drafter: Drafter) -
     if saved is None or not drafter.config.uses_draft_vocab:
         return
     ours = drafter.draft_lm_head_weight.float()
-    if not torch.allclose(saved.float(), ours, atol=1e-2, rtol=1e-2):
+    saved = saved.to(ours.device).float()             # the tensors load on the CPU, the drafter may not
+    if not torch.allclose(saved, ours, atol=1e-2, rtol=1e-2):
         logger.warning("the checkpoint's reduced lm_head differs from the target lm_head rows "
                        "selected by t2d (max |diff| %.3g); using the target's rows",
-                       (saved.float() - ours).abs().max().item())
+                       (saved - ours).abs().max().item())
 
 
 def _required(raw: dict[str, Any], key: str) -> Any:

@@ -133,11 +133,12 @@ class ServerState:
 
     async def submit(self, prompts: list[str | list[int]], params: SamplingParams, base_id: str,
                      prompt_param: str) -> list[RequestStream]:
-        """Queue every prompt and wait until the engine accepted them all (or none)."""
+        """Queue every prompt and wait until the engine accepted them all (or none): one stream per
+        choice, `params.n` per prompt, choice i * n + j being completion j of prompt i (vLLM's)."""
         streams: list[RequestStream] = []
         try:
             for index, prompt in enumerate(prompts):
-                streams.append(self.async_engine.submit(prompt, params, f"{base_id}-{index}"))
+                streams += self.async_engine.submit_n(prompt, params, f"{base_id}-{index}")
             results = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
             error = next((r for r in results if isinstance(r, BaseException)), None)
             if error is not None:
@@ -297,13 +298,13 @@ def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
         streams = await state.submit(ids, params, request_id, "prompt")
         fmt = CompletionFormat(body, state.engine.tokenizer)           # echo and log-probs
         if body.stream:
-            builder = _completion_chunks(request_id, state.served_model_name, fmt)
+            builder = _completion_chunks(request_id, state.served_model_name, fmt, params.n)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return SSEResponse(stream_sse(streams, builder, include_usage))
         finals = [fmt.view(o) for o in await _collect(request, streams)]
         choices = [fmt.choice(i, o) for i, o in enumerate(finals)]
         return CompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
-                                  usage=usage(finals), dspark=spec_info([o.spec for o in finals]))
+                                  usage=usage(finals, params.n), dspark=spec_info([o.spec for o in finals]))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -319,14 +320,15 @@ def _add_routes(app: FastAPI, state: ServerState, gamma: int) -> None:
         streams = await state.submit(ids, params, request_id, "messages")
         fmt = ChatFormat(body, state.engine.tokenizer)                 # log-probs
         if body.stream:
-            builder = _chat_chunks(request_id, state.served_model_name, fmt)
+            builder = _chat_chunks(request_id, state.served_model_name, fmt, params.n)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return SSEResponse(stream_sse(streams, builder, include_usage))
-        final = (await _collect(request, streams))[0]
-        choice = ChatChoice(index=0, message=AssistantMessage(content=final.text), logprobs=fmt.whole(final),
-                            finish_reason=final.finish_reason, stop_reason=final.stop_reason)
-        return ChatCompletionResponse(id=request_id, model=state.served_model_name, choices=[choice],
-                                      usage=usage([final]), dspark=spec_info([final.spec]))
+        finals = await _collect(request, streams)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=o.text), logprobs=fmt.whole(o),
+                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                   for i, o in enumerate(finals)]
+        return ChatCompletionResponse(id=request_id, model=state.served_model_name, choices=choices,
+                                      usage=usage(finals, params.n), dspark=spec_info([o.spec for o in finals]))
 
 
 async def _collect(request: Request, streams: list[RequestStream]):
@@ -341,7 +343,7 @@ async def _client_gone(request: Request, exc: ClientGone) -> Response:
     return Response(status_code=499)       # nobody reads it; the nginx convention for the log
 
 
-def _completion_chunks(request_id: str, model: str, fmt: CompletionFormat) -> ChunkBuilder:
+def _completion_chunks(request_id: str, model: str, fmt: CompletionFormat, n: int) -> ChunkBuilder:
     created = int(time.time())
 
     def make(index: int, text: str, output, first: bool) -> CompletionChunk:
@@ -351,12 +353,12 @@ def _completion_chunks(request_id: str, model: str, fmt: CompletionFormat) -> Ch
 
     def make_usage(finals) -> CompletionChunk:
         return CompletionChunk(id=request_id, created=created, model=model, choices=[],
-                               usage=usage(finals), dspark=spec_info([o.spec for o in finals]))
+                               usage=usage(finals, n), dspark=spec_info([o.spec for o in finals]))
 
     return ChunkBuilder(make, make_usage, announce=fmt.echo, view=fmt.view)
 
 
-def _chat_chunks(request_id: str, model: str, fmt: ChatFormat) -> ChunkBuilder:
+def _chat_chunks(request_id: str, model: str, fmt: ChatFormat, n: int) -> ChunkBuilder:
     created = int(time.time())
 
     def make(index: int, text: str, output, first: bool) -> ChatCompletionChunk:
@@ -369,6 +371,6 @@ def _chat_chunks(request_id: str, model: str, fmt: ChatFormat) -> ChunkBuilder:
 
     def make_usage(finals) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                   usage=usage(finals), dspark=spec_info([o.spec for o in finals]))
+                                   usage=usage(finals, n), dspark=spec_info([o.spec for o in finals]))
 
     return ChunkBuilder(make, make_usage, announce=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dspark.engine.engine import Engine, EngineStopped
+from dspark.engine.parallel_sampling import request_ids
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
 from dspark.server.request_stream import RequestStream
@@ -174,22 +175,31 @@ class AsyncEngine:
     # ---- requests (event loop side) -------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams,
                request_id: str | None = None) -> RequestStream:
-        """Queue a request without waiting; raises QueueFull when too many are waiting."""
+        """Queue a request (n = 1) without waiting; raises QueueFull when too many are waiting."""
+        if params.n != 1:
+            raise ValueError("a request with n > 1 has one stream per completion: use submit_n")
+        return self.submit_n(prompt, params, request_id)[0]
+
+    def submit_n(self, prompt: str | list[int], params: SamplingParams,
+                 request_id: str | None = None) -> list[RequestStream]:
+        """Queue a request without waiting: one stream per completion (`params.n`, the engine's
+        child ids, in index order); raises QueueFull when too many are waiting."""
         if not self.is_running:
             raise EngineNotRunning("the engine is not running")
         if self.draining:
             raise ServerShuttingDown("the server is shutting down and admits no new requests")
         request_id = request_id or uuid.uuid4().hex
-        stream = RequestStream(request_id, self, self.max_pending_outputs)
+        streams = [RequestStream(i, self, self.max_pending_outputs) for i in request_ids(request_id, params.n)]
         with self._cond:
             if self.max_queue is not None and self._waiting_locked() >= self.max_queue:
                 raise QueueFull(f"{self._waiting_locked()} requests are already waiting "
                                 f"(max_queue={self.max_queue}); retry later")
-            self._streams[request_id] = stream
+            for stream in streams:
+                self._streams[stream.request_id] = stream
             self._inbox.append(_Add(request_id, prompt, params, time.perf_counter()))
             self._inbox_adds += 1
             self._cond.notify()
-        return stream
+        return streams
 
     async def add(self, prompt: str | list[int], params: SamplingParams,
                   request_id: str | None = None) -> RequestStream:
@@ -286,15 +296,16 @@ class AsyncEngine:
                 if self.engine.abort(command.request_id):
                     self._notify(lambda obs: obs.on_abort(command.request_id))
                 continue
+            ids = request_ids(command.request_id, command.params.n)     # the request's streams
             try:
                 self.engine.add_request(command.prompt, command.params, command.request_id,
                                         arrival_time=command.arrival_time)
-                results.append((command.request_id, None))
+                results += [(i, None) for i in ids]
             except (ValueError, TypeError) as exc:
-                results.append((command.request_id, exc))
+                results += [(i, exc) for i in ids]
             except Exception as exc:
                 logger.exception("adding request %s failed", command.request_id)
-                results.append((command.request_id, RequestFailed(f"could not add the request: {exc}")))
+                results += [(i, RequestFailed(f"could not add the request: {exc}")) for i in ids]
         with self._cond:
             self._in_transit = 0
             self._engine_waiting = self.engine.load().waiting
@@ -314,7 +325,7 @@ class AsyncEngine:
             return
         finally:
             self._step_started = None
-        report = StepReport(time.perf_counter() - start, outputs, _spec_delta(before, self.engine.spec_stats))
+        report = StepReport(time.perf_counter() - start, outputs, self.engine.spec_stats.since(before))
         self._send([(out.request_id, RequestFailed(out.error) if out.error else out) for out in outputs])
         self._notify(lambda obs: obs.on_step(report))
 
@@ -374,23 +385,6 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._deliver, items)
         except RuntimeError:                                  # the loop is closed: shutting down
             logger.debug("dropping %d results after the event loop closed", len(items))
-
-
-def _spec_delta(before: SpecStats, after: SpecStats) -> SpecStats:
-    """Counters one step added (clamped at zero should the totals be reset meanwhile)."""
-    def diff(a: int, b: int) -> int:
-        return max(0, a - b)
-
-    positions = [diff(a, before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0)
-                 for i, a in enumerate(after.accepted_per_position)]
-    return SpecStats(draft_rounds=diff(after.draft_rounds, before.draft_rounds),
-                     drafted_tokens=diff(after.drafted_tokens, before.drafted_tokens),
-                     verified_tokens=diff(after.verified_tokens, before.verified_tokens),
-                     accepted_tokens=diff(after.accepted_tokens, before.accepted_tokens),
-                     accepted_per_position=positions,
-                     undrafted_steps=diff(after.undrafted_steps, before.undrafted_steps),
-                     predicted_accepted_tokens=max(0.0, after.predicted_accepted_tokens
-                                                   - before.predicted_accepted_tokens))
 
 
 __all__ = ["AsyncEngine", "EngineNotRunning", "EngineObserver", "EngineState", "QueueFull",

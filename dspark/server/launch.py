@@ -56,6 +56,8 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
                        help="larger request bodies are refused with HTTP 413")
     group.add_argument("--max-prompts", type=int, default=limits.max_prompts,
                        help="prompts in one /v1/completions request")
+    group.add_argument("--max-choices", type=int, default=limits.max_choices,
+                       help="choices in one request (prompts x n)")
     group.add_argument("--max-stop", type=int, default=limits.max_stop,
                        help="stop strings, and stop token ids, in one request")
     group.add_argument("--max-stop-chars", type=int, default=limits.max_stop_chars,
@@ -74,6 +76,7 @@ def _seconds(text: str) -> float:
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
+                        max_choices=args.max_choices,
                         max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                         max_pending_outputs=args.max_pending_outputs)
 

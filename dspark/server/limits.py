@@ -22,6 +22,7 @@ class LimitExceeded(ValueError):
 class ServerLimits:
     max_request_bytes: int = 8 * 1024 * 1024     # request body; larger ones get 413
     max_prompts: int = 64                        # prompts in one /v1/completions request
+    max_choices: int = 64                        # choices in one request: prompts x n
     max_stop: int = 16                           # stop strings, and stop token ids, per request
     max_stop_chars: int = 256                    # characters in one stop string
     max_pending_outputs: int = 256               # engine outputs a streaming reader may leave unread
@@ -42,6 +43,12 @@ class ServerLimits:
         if len(stop_token_ids) > self.max_stop:
             raise LimitExceeded("stop_token_ids", "too_many_stop_token_ids", f"'stop_token_ids' has "
                                 f"{len(stop_token_ids)} ids, more than this server's limit of {self.max_stop}")
+
+    def check_choices(self, prompts: int, n: int) -> None:
+        if prompts * n > self.max_choices:
+            raise LimitExceeded("n", "too_many_choices", f"{prompts} prompt(s) x n={n} make "
+                                f"{prompts * n} choices, more than this server's limit of "
+                                f"{self.max_choices} per request")
 
     def check_prompts(self, count: int) -> None:
         if count > self.max_prompts:

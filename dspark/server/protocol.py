@@ -71,8 +71,8 @@ class SamplingFields(_Request):
     repetition_penalty: Number | None = None
     min_tokens: StrictInt | None = None
     include_stop_str_in_output: StrictBool | None = None
+    n: StrictInt | None = None                       # choices per prompt (parallel sampling)
     # not implemented: refused unless neutral (unsupported.py)
-    n: StrictInt | None = None
     length_penalty: Number | None = None
     use_beam_search: StrictBool | None = None
     bad_words: list[Text] | None = None
@@ -93,7 +93,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = 16                # 0 with echo: the prompt (and its log-probs) only
     echo: StrictBool | None = None
     logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
+    best_of: StrictInt | None = None                 # only equal to n (serving.py)
     suffix: Text | None = None
     add_special_tokens: StrictBool | None = None
 

@@ -29,6 +29,12 @@ def _check_common(req: SamplingFields, table: dict, where: str, limits: ServerLi
     refuse_unsupported(req, SHARED)
     refuse_unsupported(req, table)
     log_unknown(req, where)
+    _within(limits.check_choices, 1, req.n or 1)
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != (req.n or 1):
+        raise APIError(400, f"'best_of' must equal n ({req.n or 1}), got {best_of}: returning the best n "
+                       "of more samples is not supported (vLLM's V1 engine dropped it too)",
+                       param="best_of", code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true",
                        param="stream_options")
@@ -65,7 +71,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
                         stop_token_ids=list(req.stop_token_ids or []))
     for name in ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "skip_special_tokens",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-                 "include_stop_str_in_output"):
+                 "include_stop_str_in_output", "n"):
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
@@ -97,7 +103,7 @@ def _logit_bias(bias: dict[str, Any]) -> dict[int, Any]:
 
 
 def completion_prompts(req: CompletionRequest, limits: ServerLimits) -> list[str | list[int]]:
-    """A string, token ids, or a batch of either: one engine request (and choice) per prompt."""
+    """A string, token ids, or a batch of either: one engine request (and n choices) per prompt."""
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts: list = [prompt]
@@ -108,6 +114,7 @@ def completion_prompts(req: CompletionRequest, limits: ServerLimits) -> list[str
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
     _within(limits.check_prompts, len(prompts))
+    _within(limits.check_choices, len(prompts), req.n or 1)
     return prompts
 
 
@@ -156,8 +163,9 @@ def spec_info(stats: list[SpecStats]) -> SpecStatsInfo:
                          undrafted_steps=total.undrafted_steps)
 
 
-def usage(outputs: list[RequestOutput]) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def usage(outputs: list[RequestOutput], n: int = 1) -> Usage:
+    """Token counts of a response's choices, in order, `n` per prompt: each prompt counted once."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
     completion = sum(len(o.token_ids) for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 

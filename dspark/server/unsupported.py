@@ -1,6 +1,6 @@
 """Request fields that would change the answer but are not implemented: refused, never ignored.
 
-Clients often send such a field at its neutral value (`length_penalty: 1.0`, `n: 1`,
+Clients often send such a field at its neutral value (`length_penalty: 1.0`, `echo: false`,
 `tool_choice: "none"`), which asks for exactly what the server does, so only a value that would
 change the output is refused, with a 400 naming the field. Fields this server does not know at
 all are logged once per name: they are accepted (OpenAI clients send many that change nothing
@@ -36,7 +36,6 @@ _FALSE = _is(None, False)
 
 # field -> (neutral value test, what is missing)
 SHARED: dict[str, tuple[Neutral, str]] = {
-    "n": (_is(None, 1), "only n=1 is supported"),
     "length_penalty": (_is(None, 1, 1.0), "beam search is not implemented"),
     "use_beam_search": (_FALSE, "beam search is not implemented"),
     "bad_words": (_empty, "bad_words is not implemented"),
@@ -55,7 +54,6 @@ SHARED: dict[str, tuple[Neutral, str]] = {
 }
 
 COMPLETION: dict[str, tuple[Neutral, str]] = {
-    "best_of": (_is(None, 1), "only best_of=1 is supported"),
     "suffix": (_empty, "insertion (suffix) is not implemented"),
     "add_special_tokens": (_is(None, True), "completion prompts are always tokenized with special "
                                             "tokens"),

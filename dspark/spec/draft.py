@@ -15,8 +15,8 @@ import torch
 
 from dspark.models.drafter import Drafter
 from dspark.models.layers.attention import gather_blocks, write_kv
+from dspark.spec.sampler import SamplingTensors, global_exponentials, seeded_exponentials
 from dspark.spec.types import DraftProposal
-from dspark.worker.sampler import SamplingTensors, global_exponentials, seeded_exponentials
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 BlockPass = Callable[..., tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]   # `block_pass`

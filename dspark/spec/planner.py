@@ -13,8 +13,8 @@ keeps both independent of the tokens they admit (non-anticipation); which slots 
 is decided on the device from the current survivals (`allocate.py`).
 
 All of it runs on the host between steps, over a few hundred numbers, so it is numpy: the same
-arithmetic as torch operators costs some microseconds of dispatch per operator, about 1.5 ms a
-step at batch 1 (a tenth of a step).
+arithmetic as torch operators costs some microseconds of dispatch per operator, a visible share
+of a small step (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class CostTable:
     """Measured step costs (milliseconds) of one target + drafter on one device.
 
     A step's cost depends on how many requests share its tokens, not on the tokens alone: each
-    request reads its own K/V context, so 16 one-token rows cost about half again as much as two
-    8-row blocks. Verify costs are therefore measured per request count (a row of the table for
+    request reads its own K/V context, so many one-token rows cost more than a few blocks of the
+    same tokens (docs/measurements.md). Verify costs are therefore measured per request count (a row of the table for
     each count in `verify_requests`, interpolated between them); a plan compares steps of one
     request count, its drafts adding tokens to the step's row."""
     fingerprint: dict              # device, model, dtype, drafter, buckets: a table fits one setup
@@ -230,8 +230,8 @@ def _drafting_bound(s: np.ndarray, table: CostTable, num_sampling: int, verify: 
     """An upper bound on the tokens/ms of every draft set and budget at once: b verified drafts
     yield at most the b best survivals of any request and cost at least a drafter pass over the
     fewest requests that hold b slots. Under load most steps stay below drafting's threshold by
-    it (O(R·γ) instead of the O(R²·γ) of pricing every draft set: at 64 requests, 2% of a
-    step), and at low load most stay below verify-all's."""
+    it (O(R·γ) instead of the O(R²·γ) of pricing every draft set, docs/measurements.md), and
+    at low load most stay below verify-all's."""
     if num_sampling <= 0:
         return np.inf
     gamma = s.shape[1]
@@ -280,7 +280,7 @@ def _set_prefix_sums(s: np.ndarray, rank: np.ndarray, sizes: np.ndarray) -> np.n
 
     One sort of all R·γ survivals serves every set: a set's slots in descending order are the
     global order's slots whose request belongs to it, so each set is a masked running sum
-    compacted by a scatter (at 64 requests about 3x cheaper than sorting each set's slots)."""
+    compacted by a scatter (cheaper than sorting each set's slots, docs/measurements.md)."""
     r_all, gamma = s.shape
     n = r_all * gamma
     flat = np.asarray(s, dtype=np.float64).reshape(-1)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from dspark.spec.sampler import SamplingTensors, exponential_noise, processed_probs
 from dspark.spec.types import DraftProposal, VerifyResult
-from dspark.worker.sampler import SamplingTensors, exponential_noise, processed_probs
 
 
 def uniform_noise(shape: tuple[int, int], generators: list[torch.Generator | None],

@@ -37,9 +37,9 @@ import torch._dynamo
 from dspark.models.drafter import Drafter
 from dspark.models.layers.linear import lower_packed_linear
 from dspark.spec.draft import BlockPass, KVCaches, block_pass, propose
+from dspark.spec.sampler import SamplingTensors
 from dspark.spec.types import DraftProposal
 from dspark.worker.graphs import DUMMY_TOKEN_ID, StepGraphs, capture_largest_first, token_buckets
-from dspark.worker.sampler import SamplingTensors
 
 logger = logging.getLogger(__name__)
 

@@ -102,9 +102,8 @@ def _parts(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens
     as the first group, long prefill chunks as the second, when a step has both: each group is
     padded to its own longest query and context, and the first stays within what the CPU
     attention kernel reads in place. One padded call would pad every verify block of a step a
-    prompt joins to the prompt's chunk: on this project's CPU a 64-token chunk beside three 8-row
-    blocks took 1.7x the attention of four 64-token chunks. Every speculative chunk is in the
-    first group, the one whose rows a verify budget trims (ragged.trim_inputs)."""
+    prompt joins to the prompt's chunk, which costs more attention than the prompt's chunks alone
+    (docs/measurements.md). Every speculative chunk is in the first group."""
     first = [q < SPLIT_MIN_Q or every for q, every in zip(q_lens, every_row)]
     short = [i for i, f in enumerate(first) if f]
     chunked = [i for i, f in enumerate(first) if not f]

@@ -26,14 +26,14 @@ from dspark.sampling_params import SamplingParams
 from dspark.models.layers.cpu_kernels import greedy_tokens
 from dspark.spec.allocate import allocate
 from dspark.spec.draft import append_context
+from dspark.spec.sampler import SamplingTensors
 from dspark.spec.verify import accept_greedy
 from dspark.spec.planner import CostTable
 from dspark.worker.inputs import RequestChunk, build_inputs
-from dspark.worker.sampler import SamplingTensors
 from dspark.worker.worker import Worker
 
 
-PROFILE_VERSION = 2       # what a step's costs include; a table measured otherwise is measured again
+PROFILE_VERSION = 3       # what a step's costs include; a table measured otherwise is measured again
 
 
 @dataclass
@@ -46,21 +46,23 @@ class ProfileConfig:
     token_stride: int = 1         # measure t = 1, s, 2s, ...; a size in between costs the next one
 
 
-def _timed_in_rounds(fns: list, cfg: ProfileConfig, bar) -> list[float]:
+def _timed_in_rounds(fns: list, cfg: ProfileConfig, bar, sync=lambda: None) -> list[float]:
     """The median time of each of `fns` over `cfg.repeats` rounds that call every one once, in
     turn, after `cfg.warmup` calls each. On a shared machine load comes and goes over seconds:
     timed back to back, one size's repeats can sit inside a burst and the table gets a step that
-    is not there (64 tokens measured at 33.5, 55.6 and 40.1 ms in three runs of one hour here);
-    in rounds a burst reaches every size alike, and the table's shape, which is what the planner
-    compares, survives it."""
+    is not there (docs/measurements.md); in rounds a burst reaches every size alike, and the
+    table's shape, which is what the planner compares, survives it. `sync` waits for the
+    device's queued work (a GPU runs a step after the host has launched it)."""
     for fn in fns:
         for _ in range(cfg.warmup):
             fn()
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(cfg.repeats):
         for fn, times in zip(fns, samples):
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times.append((time.perf_counter() - start) * 1e3)
         bar.update(1)
     return [statistics.median(times) for times in samples]
@@ -162,14 +164,16 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
         raise ValueError("profiling prices speculative steps: the engine needs a drafter")
     gamma = worker.drafter.config.block_size
     sizes, counts = _token_sizes(worker, cfg), request_counts(min(cfg.max_requests, cfg.max_tokens))
-    shapes = [(r, t) for r in counts for t in sizes if t >= r]
+    shapes = [(r, t) for r in counts for t in sizes if r <= t <= _decode_top(r, gamma, sizes)]
     bar = tqdm(total=2 * cfg.repeats, desc="measuring step costs (target, drafter)", disable=not use_tqdm)
-    timed = _timed_in_rounds([_verify_fn(worker, r, t, gamma, cfg.context_len) for r, t in shapes], cfg, bar)
-    verify = _verify_rows(dict(zip(shapes, timed)), counts, sizes, cfg.max_tokens)
+    sync = torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None)
+    timed = _timed_in_rounds([_verify_fn(worker, r, t, gamma, cfg.context_len) for r, t in shapes],
+                             cfg, bar, sync)
+    verify = _verify_rows(dict(zip(shapes, timed)), counts, sizes, cfg.max_tokens, gamma)
     logits = torch.randn(cfg.max_requests * (gamma + 1), worker.config.vocab_size,
                          generator=torch.Generator().manual_seed(0)).to(worker.device)
     draft = _timed_in_rounds([_draft_fn(worker, r, cfg.context_len, logits)
-                              for r in range(1, cfg.max_requests + 1)], cfg, bar)
+                              for r in range(1, cfg.max_requests + 1)], cfg, bar, sync)
     bar.close()
     return CostTable(fingerprint=fingerprint, verify_ms=verify, verify_requests=counts,
                      draft_ms=[0.0] + monotone(draft), context_len=cfg.context_len,
@@ -178,14 +182,31 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
                             f"draft cost with the context append")
 
 
+def _decode_top(requests: int, gamma: int, sizes: list[int]) -> int:
+    """The largest size timed for `requests` requests: the one holding every draft of them.
+    One request is timed at every size (past its drafts, prompts joining its step); more
+    requests only up to their drafts, since a joining prompt adds to a step of many about what
+    it adds to a step of one, and timing every size at every count takes minutes at start-up."""
+    if requests == 1:
+        return sizes[-1]
+    return min((m for m in sizes if m >= requests * (gamma + 1)), default=sizes[-1])
+
+
 def _verify_rows(measured: dict[tuple[int, int], float], counts: list[int], sizes: list[int],
-                 max_tokens: int) -> list[list[float]]:
+                 max_tokens: int, gamma: int) -> list[list[float]]:
     """[N][T_max + 1] per request count: each token count at the next measured size (a step
-    costs its bucket), a step smaller than its request count at that count's first size; made
-    monotone in tokens and in requests."""
+    costs its bucket), a step smaller than its request count at that count's first size, one
+    past the sizes timed for its count at its top size plus what one request's step adds from
+    there; made monotone in tokens and in requests."""
     rows, below = [], [0.0] * max_tokens
     for r in counts:
-        row = [measured[(r, min(m for m in sizes if m >= max(t, r)))] for t in range(1, max_tokens + 1)]
+        top = _decode_top(r, gamma, sizes)
+
+        def cost(size: int) -> float:
+            if size <= top:
+                return measured[(r, size)]
+            return measured[(r, top)] + measured[(1, size)] - measured[(1, top)]
+        row = [cost(min(m for m in sizes if m >= max(t, r))) for t in range(1, max_tokens + 1)]
         below = [max(a, b) for a, b in zip(monotone(row), below)]
         rows.append([0.0] + below)
     return rows

@@ -20,6 +20,7 @@ from dspark.outputs import TokenLogprobs
 from dspark.sampling_params import SamplingParams
 from dspark.spec.allocate import allocate
 from dspark.spec.draft import append_context, propose
+from dspark.spec.sampler import SamplingTensors, sample
 from dspark.spec.sts import survival as cumulative_survival
 from dspark.spec.types import DraftProposal
 from dspark.spec.verify import accept, accept_greedy
@@ -30,7 +31,6 @@ from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
 from dspark.worker.logprobs import LogprobCollector, PromptLogprobRows, split_logits
 from dspark.worker.penalties import penalised_logits
-from dspark.worker.sampler import SamplingTensors, sample
 from dspark.worker.step_key import StepKey
 
 

@@ -100,3 +100,20 @@ def test_ranks_on_one_cpu_split_its_cores():
     assert split_threads(config, 1).num_threads is None                    # one rank: torch decides
     explicit = dataclasses.replace(config, num_threads=3)
     assert split_threads(explicit, 2).num_threads == 3                     # --threads wins
+
+
+def test_each_data_parallel_rank_takes_its_own_gpu(monkeypatch):
+    """`--device cuda --dp N`: rank i of a host on cuda:i (torchrun's LOCAL_RANK where it
+    launched them), not every replica on GPU 0; a pinned device cannot serve several ranks."""
+    import dataclasses
+
+    import pytest
+
+    from dspark.config import EngineConfig, ParallelConfig
+    from dspark.distributed.group import rank_device
+    two = dataclasses.replace(EngineConfig(device="cuda"), parallel=ParallelConfig(data_parallel_size=2))
+    assert [rank_device(two, r).device for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert rank_device(EngineConfig(device="cuda"), 0).device == "cuda"          # one rank: as given
+    assert rank_device(dataclasses.replace(two, device="cpu"), 1).device == "cpu"
+    with pytest.raises(ValueError, match="--device cuda"):
+        rank_device(dataclasses.replace(two, device="cuda:1"), 0)

@@ -10,7 +10,7 @@ from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
 from dspark.spec.draft import propose
-from dspark.worker.sampler import SamplingTensors
+from dspark.spec.sampler import SamplingTensors
 from tiny import save_random_drafter, save_tiny
 
 BF16 = torch.bfloat16

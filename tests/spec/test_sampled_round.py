@@ -10,10 +10,10 @@ from dspark.models.drafter_loader import load_drafter
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
 from dspark.spec.draft import _markov_loop
+from dspark.spec.sampler import SamplingTensors, processed_probs
 from dspark.spec.types import DraftProposal
 from dspark.spec.verify import _target_probs, accept
 from dspark.train.prune_vocab import prune_drafter
-from dspark.worker.sampler import SamplingTensors, processed_probs
 from tiny import save_random_drafter, save_tiny
 
 VOCAB = 48

@@ -5,9 +5,9 @@ import math
 import torch
 
 from dspark.sampling_params import SamplingParams
+from dspark.spec.sampler import SamplingTensors
 from dspark.spec.types import DraftProposal
 from dspark.spec.verify import accept
-from dspark.worker.sampler import SamplingTensors
 
 
 def st_for(params):

@@ -12,11 +12,11 @@ from dspark.models.drafter_loader import load_drafter
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
 from dspark.spec.draft import propose
+from dspark.spec.sampler import SamplingTensors
 from dspark.worker.draft_graphs import (DUMMY_BLOCK_ID, DUMMY_REQUEST_PREFIX, DUMMY_START,
                                         NEUTRAL_CONFIDENCE_LOGIT, DraftGraphs, is_reserved_request_id)
 from dspark.worker.graphs import DUMMY_TOKEN_ID
 from dspark.worker.kv_cache import allocate_kv_cache
-from dspark.worker.sampler import SamplingTensors
 from tiny import save_random_drafter, save_tiny
 
 CPU = torch.device("cpu")

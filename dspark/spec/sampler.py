@@ -3,6 +3,9 @@
 Everything stays on the device; the caller copies the chosen tokens to the host once per step.
 Sampling uses the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p and
 lets a seeded request draw its noise from its own generator, independent of batch composition.
+
+It lives in spec/ because draft and verify must sample from the same processed distribution as
+plain rows do; the worker imports it from here for those plain rows.
 """
 
 from __future__ import annotations

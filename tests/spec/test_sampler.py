@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark.sampling_params import SamplingParams
-from dspark.worker.sampler import SamplingTensors, processed_probs, sample
+from dspark.spec.sampler import SamplingTensors, processed_probs, sample
 
 
 def tensors(params, gens=None, vocab=5):
@@ -77,7 +77,7 @@ def test_invalid_sampling_params(bad, match):
                                                 (0.01, 0, 0.99), (4.0, 20, 1.0), (2.0, 1000, 0.5)])
 def test_candidate_truncation_equals_full_sort(monkeypatch, scale, top_k, top_p):
     """The top-candidates shortcut is exact, and falls back when the kept set is larger."""
-    import dspark.worker.sampler as sampler
+    import dspark.spec.sampler as sampler
     logits = torch.randn(6, 2000, generator=torch.Generator().manual_seed(3)) * scale
     st = SamplingTensors.build([SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p or 1.0)] * 6,
                                [None] * 6, 2000, torch.device("cpu"))
@@ -90,7 +90,7 @@ def test_candidate_truncation_equals_full_sort(monkeypatch, scale, top_k, top_p)
 def test_candidate_sampling_matches_the_full_vocabulary_distribution():
     """A vocabulary larger than the candidate window, truncated by top-p inside it: `sample`
     draws from the candidates only, and its empirical distribution is processed_probs'."""
-    from dspark.worker.sampler import CANDIDATES, candidate_probs
+    from dspark.spec.sampler import CANDIDATES, candidate_probs
     v, n = CANDIDATES * 4, 20000
     g = torch.Generator().manual_seed(0)
     row = torch.randn(v, generator=g) * 0.5
@@ -114,7 +114,7 @@ def test_candidate_sampling_matches_the_full_vocabulary_distribution():
 
 
 def test_candidate_sampling_falls_back_when_the_kept_set_is_wider():
-    from dspark.worker.sampler import CANDIDATES, candidate_probs
+    from dspark.spec.sampler import CANDIDATES, candidate_probs
     v = CANDIDATES * 4
     flat = torch.zeros(2, v)                                         # top-p 0.9 keeps 90% of v
     st = tensors([SamplingParams(temperature=1.0, top_p=0.9)] * 2, vocab=v)
@@ -130,7 +130,7 @@ def test_candidate_sampling_falls_back_when_the_kept_set_is_wider():
 
 
 def test_seeded_rows_draw_their_noise_from_their_own_generator_once():
-    from dspark.worker.sampler import exponential_noise
+    from dspark.spec.sampler import exponential_noise
     gens = [torch.Generator().manual_seed(3), None, torch.Generator().manual_seed(4)]
     noise = exponential_noise((3, 50), gens, torch.device("cpu"))
     for row, seed in ((0, 3), (2, 4)):
@@ -143,7 +143,7 @@ def test_seeded_rows_draw_their_noise_from_their_own_generator_once():
 def test_a_seeded_rows_draw_does_not_depend_on_its_batch():
     """A row that fits the candidates beside one that does not (so the batch takes both paths):
     each seeded row still samples what it samples alone."""
-    from dspark.worker.sampler import CANDIDATES
+    from dspark.spec.sampler import CANDIDATES
     v = CANDIDATES * 4
     peaked = torch.zeros(v)
     peaked[[700, 3, 400, 9, 250]] = torch.tensor([3.0, 2.8, 2.6, 2.4, 2.2]) + 8.0   # not in id order
@@ -160,7 +160,7 @@ def test_a_seeded_rows_draw_does_not_depend_on_its_batch():
 
 
 def test_unseeded_noise_is_the_global_generators_exponential_bit_for_bit():
-    from dspark.worker.sampler import global_exponentials
+    from dspark.spec.sampler import global_exponentials
     for shape in [(1, 7), (3, 5, 600), (2, 49153)]:
         torch.manual_seed(9)
         want, want_next = torch.empty(shape).exponential_(), torch.rand(2)
