@@ -4,13 +4,11 @@ without a drafter); a bad value is a 400 naming its field."""
 
 from __future__ import annotations
 
-import http.client
-import json
 
 import pytest
 
 from dspark import LLM, SamplingParams
-from tiny_server import engine_kwargs, serve
+from tiny_server import engine_kwargs, post, serve
 
 PROMPT = "w1 w2 w3 w9 w4"
 CHAT = [{"role": "user", "content": "w5 w6 w7"}]
@@ -24,19 +22,6 @@ def setup(request, target_dir, drafter_dir):
     offline = LLM(target_dir, drafter=drafter, **engine_kwargs())
     with serve(target_dir, drafter) as served:
         yield served, offline
-
-
-def post(served, path: str, body: dict) -> tuple[int, dict | list]:
-    """(status, JSON body), or for a stream (200, the list of its data payloads)."""
-    conn = http.client.HTTPConnection("127.0.0.1", served.thread.port, timeout=60)
-    conn.request("POST", path, json.dumps({"model": "tiny", **body}), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    raw = response.read().decode()
-    conn.close()
-    if not body.get("stream") or response.status != 200:
-        return response.status, json.loads(raw)
-    events = [line[len("data: "):] for line in raw.split("\n") if line.startswith("data: ")]
-    return response.status, [json.loads(e) for e in events[:-1]]
 
 
 def params(**fields) -> SamplingParams:

@@ -112,6 +112,22 @@ def serve(model: str, drafter: str | None = None, max_queue: int | None = 256,
         yield Served(thread, app.state.server)
 
 
+
+def post(served: "Served", path: str, body: dict) -> tuple[int, dict | list]:
+    """(status, JSON body), or for a stream (200, the list of its data payloads before [DONE])."""
+    import http.client
+    import json
+    conn = http.client.HTTPConnection("127.0.0.1", served.thread.port, timeout=60)
+    conn.request("POST", path, json.dumps({"model": "tiny", **body}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    raw = response.read().decode()
+    conn.close()
+    if not body.get("stream") or response.status != 200:
+        return response.status, json.loads(raw)
+    events = [line[len("data: "):] for line in raw.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return response.status, [json.loads(e) for e in events[:-1]]
+
 def read_metrics(url: str) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics as {(name, sorted labels): value}."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()

@@ -14,6 +14,7 @@ from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 from dspark import LLM, SamplingParams
 from dspark.sampling_params import ParamError
 from dspark.worker.penalties import TokenHistory, penalised_logits
+from test_logprobs import drafter_dir, target  # noqa: F401  (the same tiny target and drafter)
 from tiny import save_random_drafter, save_tiny
 
 VOCAB = 48
@@ -29,20 +30,6 @@ CASES = {
     "all": dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2,
                 logit_bias={4: 2.0, 10: 1.5}),
 }   # mild enough that the drafter (which favours repeating the last token) still gets drafts in
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    hf = save_tiny(str(path), "qwen3", tied=True, vocab=VOCAB, num_hidden_layers=4, seed=3)
-    return str(path), hf
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory, target):
-    path = tmp_path_factory.mktemp("drafter")
-    save_random_drafter(str(path), target[0], gamma=4, copy_prev=9.0)
-    return str(path)
 
 
 def make_llm(target_dir, drafter_dir=None, **kw):
