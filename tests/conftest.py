@@ -10,6 +10,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 import pytest  # noqa: E402
 
 from dspark.models.layers import cpu_kernels  # noqa: E402
+from tiny import share_kernels  # noqa: E402
 
 pytest_plugins = ["cuda_selection",      # `cuda` tests: deselected by default without a GPU
                   "pytester"]            # (tested with pytester, enabled here: the top conftest)
@@ -36,7 +37,9 @@ def private_cost_models(tmp_path_factory):
     the user's cache (every tiny drafter is a new setup: each would leave a file there). Set in
     the environment, so that processes the tests spawn (data-parallel ranks) inherit it."""
     folder = tmp_path_factory.mktemp("xdg_cache")
+    share_kernels(folder)
     patch = pytest.MonkeyPatch()
     patch.setenv("XDG_CACHE_HOME", str(folder))
     yield folder / "dspark"
     patch.undo()
+

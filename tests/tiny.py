@@ -121,3 +121,35 @@ def greedy_workload(n: int, vocab: int, seed: int = 0, max_out: int = 40):
     params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, max_out), ignore_eos=True)
               for _ in range(n)]
     return prompts, params
+
+
+def pin_flat_costs(policy) -> None:
+    """Drafts priced as free: the policy then drafts for every request and verifies every
+    draft, whatever this machine measured at start-up for a tiny model (a measured table
+    decides by timing, and the tests must speculate to test it)."""
+    from dspark.spec.planner import CostTable
+    policy.table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * policy.table.max_tokens,
+                             draft_ms=[0.0] + [1e-6] * policy.table.max_requests)
+    policy.min_gain = 0.0
+
+
+def speculating(llm):
+    """`llm` with its speculation policy (if any) pinned to verify every draft (pin_flat_costs)."""
+    if llm.engine.policy is not None:
+        pin_flat_costs(llm.engine.policy)
+    return llm
+
+
+def share_kernels(cache_home) -> None:
+    """The compiled CPU kernels under `cache_home` are the ones already built (they depend on the
+    sources alone): a private cache folder must not make a test, or a server a test launches,
+    compile them again for minutes."""
+    import pathlib
+
+    from dspark.models.layers import cpu_kernels
+    built = cpu_kernels.cache_dir()
+    built.mkdir(parents=True, exist_ok=True)
+    link = pathlib.Path(cache_home) / "dspark" / "kernels"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.symlink_to(built.resolve(), target_is_directory=True)

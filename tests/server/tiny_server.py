@@ -165,6 +165,8 @@ def launched(code: str, *serve_args: str) -> Iterator[tuple[subprocess.Popen, st
     port = free_port()
     cmd = [sys.executable, "-c", code, "serve", *serve_args, "--port", str(port)]
     with tempfile.TemporaryDirectory() as cache:            # its cost model is no user's
+        from tiny import share_kernels
+        share_kernels(cache)
         env = {**os.environ, "XDG_CACHE_HOME": cache}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         yield from _serving(proc, port)

@@ -8,7 +8,7 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.sampling_params import ParamError
-from tiny import save_random_drafter, save_tiny
+from tiny import save_random_drafter, save_tiny, speculating
 
 VOCAB = 48
 PROMPTS = [[5, 9, 12, 7, 30, 3, 3, 8, 21], [40, 41, 6], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 22, 23, 24]]
@@ -30,8 +30,9 @@ def drafter_dir(tmp_path_factory, target):
 
 def make_llm(target_dir, drafter_dir=None, kv_tokens=4096, max_model_len=128, **kw):
     per_token = 2 * (4 + 1) * 2 * 16 * 4       # K+V of 4 target + 1 drafter layers, fp32
-    return LLM(target_dir, dtype="float32", drafter=drafter_dir, block_size=4,
-               kv_cache_bytes=kv_tokens * per_token, max_model_len=max_model_len, graph="eager", **kw)
+    return speculating(LLM(target_dir, dtype="float32", drafter=drafter_dir, block_size=4,
+                           kv_cache_bytes=kv_tokens * per_token, max_model_len=max_model_len,
+                           graph="eager", **kw))
 
 
 @pytest.fixture(scope="module")

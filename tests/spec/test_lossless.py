@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from dspark import LLM, SamplingParams
-from tiny import greedy_workload, run_staggered, save_random_drafter, save_tiny
+from tiny import greedy_workload, pin_flat_costs, run_staggered, save_random_drafter, save_tiny
 
 VOCAB = 32
 
@@ -33,16 +33,6 @@ def make_llm(target_dir, drafter_dir=None, kv_tokens=4096, max_model_len=256, gr
     if llm.engine.policy is not None and "cost_table" not in kw:
         pin_flat_costs(llm.engine.policy)
     return llm
-
-
-def pin_flat_costs(policy) -> None:
-    """Drafts priced as free: the policy then drafts for every request and verifies every
-    draft, whatever this machine measured at start-up for a tiny model (a measured table
-    decides by timing, and the tests must speculate to test it)."""
-    from dspark.spec.planner import CostTable
-    policy.table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * policy.table.max_tokens,
-                             draft_ms=[0.0] + [1e-6] * policy.table.max_requests)
-    policy.min_gain = 0.0
 
 
 def workload(n, seed=0, max_out=40):

@@ -14,7 +14,7 @@ from dspark.worker.graph_backends import PiecewiseRunner, capture_pieces
 from dspark.worker.graphs import DUMMY_POSITION, DUMMY_TOKEN_ID, StepGraphs, dummy_metadata, token_buckets
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.kv_cache import allocate_kv_cache
-from tiny import save_random_drafter, save_tiny
+from tiny import save_random_drafter, save_tiny, speculating
 
 BLOCK, NUM_BLOCKS, BUCKETS = 4, 64, [1, 4, 8, 16]
 BACKENDS = ["eager", pytest.param("compile", marks=pytest.mark.slow)]   # compiling takes seconds
@@ -243,8 +243,8 @@ VOCAB = 32
 
 def make_llm(target_dir, drafter_dir=None, **kw):
     from dspark import LLM
-    return LLM(target_dir, dtype="float32", drafter=drafter_dir, block_size=4, max_model_len=256,
-               kv_cache_bytes=4096 * 2 * 5 * 2 * 16 * 4, **kw)
+    return speculating(LLM(target_dir, dtype="float32", drafter=drafter_dir, block_size=4, max_model_len=256,
+                           kv_cache_bytes=4096 * 2 * 5 * 2 * 16 * 4, **kw))
 
 
 def workload(n, seed=0):

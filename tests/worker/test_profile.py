@@ -90,9 +90,8 @@ def test_draft_cost_includes_the_context_append(tmp_path, monkeypatch):
     monkeypatch.setattr(profile, "append_context", slow_append)
     table = llm.engine.profile(ProfileConfig(max_tokens=4, max_requests=2, context_len=8,
                                              repeats=1, warmup=0))
-    assert sorted(set(appended)) == [4, 8] and len(appended) == 2
+    assert sorted(set(appended)) == [4, 8] and len(appended) == 2        # none from the verify timings
     assert table.draft_ms[1] >= 30.0 and table.draft_ms[2] >= 30.0
-    assert max(row[4] for row in table.verify_ms) < 30.0   # the verify forward does not append
 
 
 def test_a_burst_of_load_reaches_every_size_alike(monkeypatch):
