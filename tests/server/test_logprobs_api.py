@@ -10,7 +10,7 @@ import math
 import pytest
 
 from dspark import LLM, SamplingParams
-from tiny_server import engine_kwargs, post, serve
+from tiny_server import post, served_and_offline
 
 PROMPT = "w1 w2 w3 w9 w4"
 CHAT = [{"role": "user", "content": "w5 w6 w7"}]
@@ -18,10 +18,7 @@ CHAT = [{"role": "user", "content": "w5 w6 w7"}]
 
 @pytest.fixture(scope="module", params=["plain", "dspark"])
 def setup(request, target_dir, drafter_dir):
-    drafter = drafter_dir if request.param == "dspark" else None
-    offline = LLM(target_dir, drafter=drafter, **engine_kwargs())
-    with serve(target_dir, drafter) as served:
-        yield served, offline
+    yield from served_and_offline(target_dir, drafter_dir if request.param == "dspark" else None)
 
 
 def offline(llm: LLM, prompt, **kw):

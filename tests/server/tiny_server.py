@@ -128,6 +128,14 @@ def post(served: "Served", path: str, body: dict) -> tuple[int, dict | list]:
     assert events[-1] == "[DONE]"
     return response.status, [json.loads(e) for e in events[:-1]]
 
+def served_and_offline(model: str, drafter: str | None):
+    """A served engine and an offline LLM of the same setup (what a test compares answers of)."""
+    from dspark import LLM
+    offline = LLM(model, drafter=drafter, **engine_kwargs())
+    with serve(model, drafter) as served:
+        yield served, offline
+
+
 def read_metrics(url: str) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics as {(name, sorted labels): value}."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
