@@ -118,13 +118,6 @@ class Tokenizer:
                    add_bos=add_bos, chat_template=_folder_chat_template(path, config))
 
     @classmethod
-    def from_gguf(cls, path: str) -> "Tokenizer":
-        """Read only what the tokenizer needs; the model loader passes metadata it already has."""
-        from dspark.models.gguf import open_reader, read_metadata
-
-        return cls.from_gguf_metadata(read_metadata(open_reader(path)))
-
-    @classmethod
     def from_gguf_metadata(cls, fields: Mapping[str, Any]) -> "Tokenizer":
         """Build from `tokenizer.*` GGUF keys (plain values or gguf `ReaderField`s)."""
         meta = {k: _plain(v) for k, v in fields.items() if k.startswith("tokenizer.")}

@@ -9,7 +9,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 import pytest  # noqa: E402
 
-from dspark.models.layers import cpu_kernels  # noqa: E402
+from dspark.kernels import cpu as cpu_kernels  # noqa: E402
 from tiny import share_kernels  # noqa: E402
 
 pytest_plugins = ["cuda_selection",      # `cuda` tests: deselected by default without a GPU

@@ -35,7 +35,10 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "dspark.engine": "request lifetime on the host: sequences, blocks, scheduler, commit",
     }),
     ("worker", {
-        "dspark.worker": "a step's device work: inputs, KV cache, graphs, penalties, log-probs",
+        "dspark.worker": "a step's device work: inputs, KV cache, penalties, log-probs, acceptance",
+    }),
+    ("runner", {
+        "dspark.runner": "how a step's forwards run (graphs, compile, fused CPU layers), chosen once",
     }),
     ("spec", {
         "dspark.spec": "the DSpark algorithm and the sampler that draft, verify and plain rows share",
@@ -46,7 +49,10 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "dspark.generation_config": "a model's recommended sampling, read from its files",
     }),
     ("layers", {
-        "dspark.models.layers": "attention, linear, norm, rotary and the C++ CPU kernels",
+        "dspark.models.layers": "attention, linear, norm, rotary; they call the kernels where they run",
+    }),
+    ("kernels", {
+        "dspark.kernels": "the C++ CPU kernels: build, load, limits, fake implementations; no model code",
     }),
     ("shared", {
         "dspark.config": "validated config dataclasses and the cache directory; imports nothing of dspark",

@@ -37,7 +37,8 @@ def smollm_path() -> str:
 
 @pytest.fixture(scope="module")
 def ours(smollm_path) -> Tokenizer:
-    return Tokenizer.from_gguf(smollm_path)
+    from dspark.models.gguf import open_reader, read_metadata
+    return Tokenizer.from_gguf_metadata(read_metadata(open_reader(smollm_path)))
 
 
 @pytest.fixture(scope="module")

@@ -146,7 +146,7 @@ def share_kernels(cache_home) -> None:
     compile them again for minutes."""
     import pathlib
 
-    from dspark.models.layers import cpu_kernels
+    from dspark.kernels import cpu as cpu_kernels
     built = cpu_kernels.cache_dir()
     built.mkdir(parents=True, exist_ok=True)
     link = pathlib.Path(cache_home) / "dspark" / "kernels"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-MODES = ("plain", "spec", "serve", "sweep", "graphs", "dp")
+MODES = ("plain", "spec", "serve", "sweep", "graphs", "dp", "kernels")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -59,3 +59,6 @@ def run_bench(args: argparse.Namespace) -> None:
     elif args.mode == "dp":
         from dspark.bench.dp import run_dp_bench
         run_dp_bench(args)
+    elif args.mode == "kernels":
+        from dspark.bench.kernels import run_kernels_bench
+        run_kernels_bench(args)

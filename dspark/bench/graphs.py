@@ -94,5 +94,7 @@ def _report(args, engines, med, cases) -> dict:
             **({"vs_plain": round(tps / plain[0], 3)} if plain else {})}
     print(f"weights {wbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: "
           f"roofline {roofline_ms:.1f} ms per batch-1 step")
+    report["runner"] = {f"{system}_{backend}": llm.engine.load().runner
+                        for (system, backend), llm in engines.items()}
     print(json.dumps(report))
     return report

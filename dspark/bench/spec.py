@@ -51,6 +51,7 @@ def run_spec_bench(args) -> None:
     print(" | ".join("---" for _ in head))
     for row in rows:
         print(" | ".join(str(c) for c in row))
+    summary["runner"] = {"plain": plain.engine.load().runner, "dspark": spec.engine.load().runner}
     print(json.dumps(summary))
 
 

@@ -56,7 +56,7 @@ def best_plan_gain(table, acceptance, requests: int) -> float:
 
 def _engines(args, max_seqs: int) -> dict:
     from dspark import LLM
-    common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max_seqs,
+    common = dict(dtype=args.dtype, device=args.device, num_threads=args.threads, max_num_seqs=max_seqs,
                   graph=args.graph)
     engines = {"plain": LLM(args.model, drafter=None, **common),
                "verify-all": LLM(args.model, drafter=args.drafter, spec_schedule="verify-all", **common)}
@@ -144,6 +144,6 @@ def run_sweep_bench(args) -> dict:
               "default_drafted_share": [round(d, 3) for d in drafted_share], "default_policy": policy,
               "best_plan_tokens_per_s": [round(b, 2) for b in bounds],
               "default_over_best_plan": [round(medians["default"][i] / b, 3) for i, b in enumerate(bounds)],
-              "plot": png}
+              "plot": png, "runner": {name: llm.engine.load().runner for name, llm in engines.items()}}
     print(json.dumps(report))
     return report

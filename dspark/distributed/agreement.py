@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass, fields
 
-from dspark.worker.step_key import StepKey
+from dspark.runner.step_key import StepKey
 
 # status of a rank's row; anything but OK stops the whole group after this collective
 OK, STOPPING, FAILED = 0, 1, 2

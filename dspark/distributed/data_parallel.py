@@ -18,8 +18,8 @@ from dspark.distributed.comm import RankGroup
 from dspark.engine.engine import Engine
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
-from dspark.worker.graphs import token_buckets
-from dspark.worker.step_key import StepKey
+from dspark.runner.graphs import token_buckets
+from dspark.runner.step_key import StepKey
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class RankReport:
     outputs: list[RequestOutput]
     spec: SpecStats
     rejected: list[tuple[str, str]] = field(default_factory=list)   # (request id, why)
+    runner: dict[str, int] = field(default_factory=dict)            # its RunnerStats.counters()
 
 
 @dataclass
@@ -70,12 +71,12 @@ class DPRank:
 
     def __init__(self, engine: Engine, group: RankGroup):
         self.engine, self.group = engine, group
-        graphs = engine.worker.graphs
-        self.token_buckets = graphs.buckets if graphs is not None else []
-        drafts = engine.worker.draft_graphs
+        graphs = engine.worker.runner.graphs
+        self.token_buckets = graphs.buckets
+        drafts = engine.worker.runner.draft_graphs
         self.request_buckets = (drafts.buckets if drafts is not None
                                 else token_buckets(engine.config.scheduler.max_num_seqs))
-        captured = {b for b, r in graphs.runners.items() if r is not None} if graphs is not None else set()
+        captured = {b for b, r in graphs.runners.items() if r is not None}
         self.captured_mask = captured_mask(self.token_buckets, captured)
         self.stopped = False
         # between steps a follower waits on rank 0's front end, which may be idle for long
@@ -99,15 +100,19 @@ class DPRank:
         if key.idle:        # gather only to report refused adds (every rank sees the counts)
             if not any(r.rejected for r in rows):
                 return Iteration(key, rows, None)
-            report = RankReport(key, False, [], self.engine.spec_stats, rejected)
+            report = RankReport(key, False, [], self.engine.spec_stats, rejected, self._runner())
             return Iteration(key, rows, self.group.gather_objects(report, "outputs"))
         if prepared is not None:
             outputs = self.engine.run_step(prepared, key)
         else:
             self.engine.worker.dummy_step(key)
             outputs = []
-        report = RankReport(key, prepared is not None, outputs, self.engine.spec_stats, rejected)
+        report = RankReport(key, prepared is not None, outputs, self.engine.spec_stats, rejected,
+                            self._runner())
         return Iteration(key, rows, self.group.gather_objects(report, "outputs"))
+
+    def _runner(self) -> dict[str, int]:
+        return self.engine.worker.runner.stats().counters()
 
     def _apply(self, commands: list[Command]) -> list[tuple[str, str]]:
         """This rank's adds and aborts; an add its engine refuses is reported back, not raised."""

@@ -15,7 +15,6 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 
 from dspark.config import EngineConfig
@@ -27,7 +26,7 @@ from dspark.engine.engine import Engine, EngineLoad
 from dspark.engine.parallel_sampling import request_ids
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
-from dspark.worker.step_key import StepKey
+from dspark.runner.step_key import StepKey
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +49,13 @@ class DPEngine:
         self._fanned: dict[str, set[str]] = {}     # request (n > 1) -> its completions in flight
         self._parent: dict[str, str] = {}          # completion -> its request
         self._spec = [SpecStats() for _ in range(self.group.world_size)]
+        self._runner: list[dict[str, int]] = []          # each rank's runner counters, last reported
         self._load = EngineLoad(0, 0, 0, 0)
         self.failure: GroupFailure | None = None
         self.last_rows: list | None = None               # every rank's LocalShape, last iteration
-        # per non-idle step: (key, live) as each rank reported running it, in rank order
-        self.replays: deque[list[tuple[StepKey, bool]]] = deque(maxlen=100_000)
+        # per non-idle step, only when a caller sets it to a list (a test inspecting invariant 7):
+        # (key, live) as each rank reported running it, in rank order
+        self.key_log: list[list[tuple[StepKey, bool]]] | None = None
 
     # the single-engine surface the server and LLM read
     tokenizer = property(lambda self: self.local.tokenizer)
@@ -126,8 +127,11 @@ class DPEngine:
         commands, self.pending = self.pending, []
         it = self._iterate(commands)
         self.last_rows = it.rows
+        if it.reports is not None:
+            self._runner = [report.runner for report in it.reports]
         self._load = EngineLoad(sum(r.waiting for r in it.rows), sum(r.running for r in it.rows),
-                                sum(r.free_blocks for r in it.rows), sum(r.num_blocks for r in it.rows))
+                                sum(r.free_blocks for r in it.rows), sum(r.num_blocks for r in it.rows),
+                                _summed(self._runner))
         if it.reports is not None and not it.key.idle:
             self._check_keys(it)
         outputs = []
@@ -176,7 +180,8 @@ class DPEngine:
     def _check_keys(self, it) -> None:
         """Invariant 7, checked every step: every rank ran the key rank 0 ran."""
         ran = [(r.key, r.live) for r in it.reports]
-        self.replays.append(ran)
+        if self.key_log is not None:
+            self.key_log.append(ran)
         for rank, (key, _) in enumerate(ran):
             if key != it.key:
                 self._fail(GroupFailure(rank, f"ran graph key {key}, rank 0 ran {it.key}"))
@@ -326,3 +331,12 @@ def _reap(processes: dict, timeout_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join(5.0)
+
+
+def _summed(counters: list[dict[str, int]]) -> dict[str, int]:
+    """The ranks' runner counters added up, name by name."""
+    total: dict[str, int] = {}
+    for rank in counters:
+        for name, value in rank.items():
+            total[name] = total.get(name, 0) + value
+    return total

@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -20,20 +19,21 @@ from dspark.engine.parallel_sampling import fan_out
 from dspark.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from dspark.engine.sequence import Sequence
 from dspark.engine.spec_setup import cost_fingerprint, load_sts, spec_policy
-from dspark.models.fused_stack import fuse_draft_blocks, fuse_small_steps
-from dspark.models.layers.linear import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import ParamError, SamplingParams
 from dspark.spec.planner import CostTable
+from dspark.spec.sampler import request_generator
 from dspark.worker.inputs import RequestChunk
-from dspark.worker.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
-from dspark.worker.kv_cache import bytes_per_block, num_blocks_for_budget
+from dspark.runner.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
+from dspark.runner.setup import build_runner
+from dspark.models.kv_cache import bytes_per_block, num_blocks_for_budget
 from dspark.worker.logprobs import prompt_logprob_rows
 from dspark.worker.penalties import check_logit_bias, token_history
 from dspark.worker.profile import ProfileConfig
-from dspark.worker.step_key import StepKey
-from dspark.worker.worker import StepResult, Worker, WorkerBatch
+from dspark.runner.step_key import StepKey
+from dspark.worker.step import StepResult, WorkerBatch
+from dspark.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class EngineLoad:
     running: int
     free_blocks: int
     num_blocks: int
+    runner: dict[str, int] = dataclasses.field(default_factory=dict)   # RunnerStats.counters(), so far
 
     @property
     def kv_usage(self) -> float:
@@ -77,10 +78,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or 8192, loaded.config.max_position_embeddings)
         cache = config.cache
         self.drafter = self._load_drafter(loaded)
-        pack_for_inference(loaded.model, self.drafter)
-        fuse_small_steps(loaded.model)
-        if self.drafter is not None:
-            fuse_draft_blocks(self.drafter)
+        runner = build_runner(loaded.model, self.drafter, config, self.device)   # packs the weights
         draft_bytes = 0 if self.drafter is None else bytes_per_block(
             self.drafter.config, cache.block_size, config.torch_dtype)
         needed = config.scheduler.max_num_seqs * (self.max_model_len + cache.block_size)
@@ -94,9 +92,7 @@ class Engine:
         gamma = self.drafter.config.block_size if self.drafter is not None else 0
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, gamma)
         self.worker = Worker(loaded.model, loaded.config, num_blocks, cache.block_size,
-                             config.torch_dtype, self.device, drafter=self.drafter,
-                             graphs=self._graphs(loaded.model),
-                             max_num_seqs=config.scheduler.max_num_seqs)
+                             config.torch_dtype, self.device, runner, drafter=self.drafter)
         self.spec_stats = SpecStats(accepted_per_position=[0] * gamma)
         self.sts = load_sts(config, self.drafter, gamma)
         self.policy = self._spec_policy(gamma)
@@ -112,22 +108,6 @@ class Engine:
         self.isolation = FailureIsolation()
         self._ids = itertools.count()
 
-    def _graphs(self, model):
-        """The step graphs, captured before the engine serves (or profiles) anything. `auto` is
-        CUDA graphs on NVIDIA and, on a CPU, the faster of compile and eager for this model,
-        measured once and remembered in the user's cache folder (graph_choice.py)."""
-        from dspark.worker.graph_choice import auto_mode, default_cache_path
-        from dspark.worker.graphs import StepGraphs, token_buckets
-        sched = self.config.scheduler
-        buckets = token_buckets(min(self.config.max_graph_tokens, sched.max_num_batched_tokens))
-        aux = self.drafter.config.target_layer_ids if self.drafter is not None else ()
-        mode = self.config.graph
-        if mode == "auto":
-            model_id = os.path.abspath(self.config.model) if self.config.model else "embedded"
-            mode = auto_mode(model, self.device, aux, {"model": model_id, "dtype": self.config.dtype},
-                             default_cache_path())
-        return StepGraphs(model, mode, buckets, self.device, aux, self.config.graph_fallback)
-
     def _load_drafter(self, loaded):
         if self.config.spec.drafter is None:
             return None
@@ -137,7 +117,7 @@ class Engine:
 
     def cost_fingerprint(self) -> dict:
         """What a cost table must have been measured on to price this engine's steps."""
-        return cost_fingerprint(self.config, self.drafter, self.worker.graphs, self.device)
+        return cost_fingerprint(self.config, self.drafter, self.worker.runner.graphs, self.device)
 
     def profile(self, cfg: ProfileConfig) -> CostTable:
         """Measure the cost table of this engine (it must be idle)."""
@@ -148,7 +128,8 @@ class Engine:
         if cfg.context_len + rows > self.max_model_len:
             raise ValueError(f"profiling a context of {cfg.context_len} tokens plus {rows} new ones "
                              f"exceeds max_model_len={self.max_model_len}; lower --context-len")
-        graphs = [g for g in (self.worker.graphs, self.worker.draft_graphs) if g is not None]
+        runner = self.worker.runner
+        graphs = [g for g in (runner.graphs, runner.draft_graphs) if g is not None]
         counted = [copy.deepcopy(g.stats) for g in graphs]
         table = profile_worker(self.worker, cfg, self.cost_fingerprint())
         for g, stats in zip(graphs, counted):       # the profile's steps are no served steps
@@ -177,6 +158,8 @@ class Engine:
         if request_id in self.requests or any(s.request_id in self.requests for s in seqs):
             raise ValueError(f"request id {request_id!r} is already running")
         for seq in seqs:              # n > 1: one per completion (parallel_sampling.py)
+            if seq.generator is not None and self.device.type != "cpu":   # its noise drawn there
+                seq.generator = request_generator(seq.params.seed, self.device)
             self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
         return request_id
@@ -245,7 +228,7 @@ class Engine:
     def load(self) -> EngineLoad:
         blocks = self.block_manager
         return EngineLoad(self.scheduler.num_waiting, len(self.scheduler.running),
-                          blocks.num_free_blocks, blocks.num_blocks)
+                          blocks.num_free_blocks, blocks.num_blocks, self.worker.runner.stats().counters())
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -330,7 +313,7 @@ class Engine:
                            released_blocks=self.block_manager.take_released(), prompt_logprobs=prompt_lp)
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        outputs, now, k, j = [], time.perf_counter(), 0, 0
+        outputs, now, k = [], time.perf_counter(), 0
         for c, s in enumerate(sched.scheduled):
             if result.prompt_logprobs and c in result.prompt_logprobs:
                 s.seq.prompt_logprobs += result.prompt_logprobs[c]
@@ -338,20 +321,19 @@ class Engine:
                 s.seq.num_computed_tokens += s.num_new_tokens
                 continue
             try:
-                outputs.append(self._commit_sampled(s, result, k, j, now))
+                outputs.append(self._commit_sampled(s, result, k, now))
             except Exception as exc:           # noqa: BLE001 (this request's alone, e.g. decoding)
                 outputs.append(self._fail_request(s.seq, exc))
-            k, j = k + 1, j + s.spec
+            k += 1
         return outputs
 
-    def _commit_sampled(self, s: ScheduledRequest, result: StepResult, k: int, j: int,
-                        now: float) -> RequestOutput:
-        """Row k of the step's results (j: its index among the drafting rows) into its request."""
+    def _commit_sampled(self, s: ScheduledRequest, result: StepResult, k: int, now: float) -> RequestOutput:
+        """Sampling request k of the step's results into its request."""
         seq, tokens = s.seq, result.tokens[k]
         if s.spec:
             self._count_spec(seq, result.verify_lens[k], result.num_accepted[k])
-            if result.confidence_logits is not None:
-                self._record_confidence(seq, result.confidence_logits[j], result.verify_lens[k],
+            if result.confidence_logits[k] is not None:
+                self._record_confidence(seq, result.confidence_logits[k], result.verify_lens[k],
                                         result.num_accepted[k])
             seq.num_computed_tokens += len(tokens)          # anchor + accepted drafts
             self.block_manager.truncate(seq.block_table, seq.num_computed_tokens + 1)

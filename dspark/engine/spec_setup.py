@@ -20,7 +20,7 @@ from dspark.models.drafter import Drafter
 from dspark.spec.planner import CostTable
 from dspark.spec.policy import SpecPolicy
 from dspark.spec.sts import STSCalibration
-from dspark.worker.graphs import StepGraphs
+from dspark.runner.graphs import StepGraphs
 from dspark.worker.profile import PROFILE_VERSION, ProfileConfig
 
 logger = logging.getLogger(__name__)

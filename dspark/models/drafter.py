@@ -11,7 +11,7 @@ Every method takes its state as arguments: the drafter holds weights, nothing el
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,6 @@ from torch import nn
 from dspark.models.layers.linear import Linear, linear
 from dspark.models.layers.norm import RMSNorm
 from dspark.models.layers.rotary import RotaryEmbedding, apply_rotary
-
-if TYPE_CHECKING:
-    from dspark.models.fused_stack import FusedDraftStack
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -177,7 +174,6 @@ class Drafter(nn.Module):
     draft_lm_head_packed: torch.Tensor | None = None   # [V_draft, d] oneDNN copy (inference only)
     draft_lm_head_tiles: torch.Tensor | None = None    # its cpu_kernels tile copy (inference only)
     draft_lm_head_amx: bool = False                      # the tiles go through AMX
-    fused_blocks: "FusedDraftStack | None" = None        # fused_stack.fuse_draft_blocks (inference only)
 
     def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Module):
         super().__init__()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,15 +20,11 @@ from dspark.models.layers.norm import RMSNorm
 from dspark.models.layers.rotary import RotaryEmbedding, apply_rotary
 from dspark.models.model_config import ModelConfig
 
-if TYPE_CHECKING:
-    from dspark.models.fused_stack import FusedStack
-
 
 @dataclass
 class ModelOutput:
     logits: torch.Tensor                 # [N, V] fp32, rows picked by logits_indices
     aux_hidden: torch.Tensor | None      # [T, len(aux_layer_ids) * hidden] or None
-    last_hidden: torch.Tensor | None     # [N, hidden] final-normed hidden of the logits rows
 
 
 @dataclass
@@ -115,8 +110,6 @@ def layer_transition(layer: DecoderLayer, next_layer: DecoderLayer | None, x: to
 
 
 class CausalLM(nn.Module):
-    fused_stack: "FusedStack | None" = None      # set by fused_stack.fuse_small_steps
-
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.config = cfg
@@ -131,14 +124,14 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-                aux_layer_ids: tuple[int, ...] = (), return_hidden: bool = False) -> ModelOutput:
+                aux_layer_ids: tuple[int, ...] = ()) -> ModelOutput:
         """input_ids/positions [T]; logits only for rows logits_indices [N].
 
         aux_layer_ids count decoder-layer outputs (id i = output of layer i, -1 = the embeddings),
         the DeepSpec convention; the aux hidden concatenates them in the order given.
         """
         x, aux_hidden = self.forward_hidden(input_ids, positions, meta, kv_caches, aux_layer_ids)
-        return self.compute_logits(x, logits_indices, aux_hidden, return_hidden)
+        return self.compute_logits(x, logits_indices, aux_hidden)
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -149,7 +142,7 @@ class CausalLM(nn.Module):
         It runs as pieces with attention between them: piece 0 (`first_piece`) and then one
         `layer_piece` per layer. Attention is the only part whose shapes follow the context, so
         a CUDA-graph bucket captures each piece and calls `attend` eagerly in between
-        (graph_backends.py); this loop is that replay loop with the pieces run directly.
+        (runner/backends.py); this loop is that replay loop with the pieces run directly.
         """
         return self.run_stack(input_ids, positions, meta, kv_caches, aux_layer_ids)
 
@@ -158,11 +151,7 @@ class CausalLM(nn.Module):
                   entry: Callable | None = None, transition: Callable | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stack as pieces with eager attention between them; `entry` (`embed_and_enter`) and
-        `transition` (`layer_transition`) may be swapped for compiled versions of themselves. A
-        step the target's fused stack takes (fused_stack.py: a few bf16 rows on an AVX512-BF16 CPU) runs
-        there instead, one kernel call per layer, whichever pieces were given."""
-        if self.fused_stack is not None and self.fused_stack.takes(input_ids.shape[0], meta):
-            return self.fused_stack.run(self, input_ids, positions, meta, kv_caches, aux_layer_ids)
+        `transition` (`layer_transition`) may be swapped for compiled versions of themselves."""
         entry = entry or self.embed_and_enter
         transition = transition or layer_transition
         x, cos, sin, q, k, v = entry(input_ids, positions)
@@ -201,13 +190,13 @@ class CausalLM(nn.Module):
         """The aux features of the whole stack, [T, len(aux_layer_ids) * hidden], in the order given."""
         return torch.cat([s.aux[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
 
-    def compute_logits(self, x: torch.Tensor, logits_indices: torch.Tensor, aux_hidden: torch.Tensor | None,
-                       return_hidden: bool = False) -> ModelOutput:
+    def compute_logits(self, x: torch.Tensor, logits_indices: torch.Tensor,
+                       aux_hidden: torch.Tensor | None) -> ModelOutput:
         """x [T, hidden] -> fp32 logits of the rows logits_indices [N] (their count varies within
         a bucket, so this tail stays outside the graph)."""
         h = self.norm(x.index_select(0, logits_indices))          # [N, hidden]
         logits = self.lm_head(h).float()                           # [N, V]
-        return ModelOutput(logits=logits, aux_hidden=aux_hidden, last_hidden=h if return_hidden else None)
+        return ModelOutput(logits=logits, aux_hidden=aux_hidden)
 
     def load_weights(self, weights) -> None:
         """Load Hugging Face named tensors, fusing q/k/v and gate/up as they arrive."""

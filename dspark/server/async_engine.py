@@ -65,6 +65,7 @@ class EngineState:
     kv_usage: float
     free_blocks: int
     num_blocks: int
+    runner: dict[str, int]               # the runner's counters so far (RunnerStats.counters)
 
 
 class EngineObserver(Protocol):
@@ -368,7 +369,8 @@ class AsyncEngine:
         with self._cond:
             self._engine_waiting = load.waiting
             waiting = self._waiting_locked()
-        state = EngineState(waiting, load.running, load.kv_usage, load.free_blocks, load.num_blocks)
+        state = EngineState(waiting, load.running, load.kv_usage, load.free_blocks, load.num_blocks,
+                            load.runner)
         self._notify(lambda obs: obs.on_state(state))
 
     def _notify(self, call: Callable[[EngineObserver], None]) -> None:

@@ -67,6 +67,10 @@ class ServerMetrics:
         self.verify_per_step = Histogram("dspark_spec_verified_tokens_per_step",
                                          "Verify budget used: drafted tokens verified in one step",
                                          buckets=VERIFY_BUCKETS, registry=r)
+        self.runner_steps = Counter("dspark_runner_steps", "Forwards by how the runner ran them "
+                                    "(graph, eager above the buckets, fused CPU layers, dummy, ...)",
+                                    ["kind"], registry=r)
+        self._runner_seen: dict[str, int] = {}
         for position in range(1, gamma + 1):        # show every position, even before traffic
             self.accepted_at.labels(position=str(position))
 
@@ -120,6 +124,11 @@ class ServerMetrics:
         self.kv_usage.set(state.kv_usage)
         self.kv_free.set(state.free_blocks)
         self.kv_blocks.set(state.num_blocks)
+        for kind, total in state.runner.items():     # cumulative totals -> counter increments
+            seen = self._runner_seen.get(kind, 0)
+            if total > seen:
+                self.runner_steps.labels(kind=kind).inc(total - seen)
+            self._runner_seen[kind] = total
 
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]

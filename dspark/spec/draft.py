@@ -9,7 +9,7 @@ all of which were written by committed tokens, so no rollback write is needed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -22,11 +22,29 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 BlockPass = Callable[..., tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]   # `block_pass`
 
 
+class FusedDraft(Protocol):
+    """The drafter's layers as one kernel call each, where the runner has them
+    (runner/fused_cpu.py); every function here takes it as an argument, None: the modules."""
+
+    def takes(self, num_rows: int) -> bool: ...
+
+    def append_context(self, drafter: Drafter, kv: KVCaches, aux_hidden: torch.Tensor,
+                       positions: torch.Tensor, write_rows: torch.Tensor | None,
+                       write_slots: torch.Tensor) -> None: ...
+
+    def block_forward(self, drafter: Drafter, block_ids: torch.Tensor, positions: torch.Tensor,
+                      kv: KVCaches, block_tables: torch.Tensor, starts: torch.Tensor,
+                      block_size: int) -> torch.Tensor: ...
+
+    def markov_greedy(self, drafter: Drafter, h: torch.Tensor, base: torch.Tensor,
+                      anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
 def append_context(drafter: Drafter, kv: KVCaches, aux_hidden: torch.Tensor, positions: torch.Tensor,
-                   write_rows: torch.Tensor | None, write_slots: torch.Tensor) -> None:
+                   write_rows: torch.Tensor | None, write_slots: torch.Tensor,
+                   fused: FusedDraft | None = None) -> None:
     """aux_hidden [T, m*d_t] of the target rows just run -> each draft layer's context K/V
-    (one kernel call per layer where the drafter's fused layers take the rows)."""
-    fused = drafter.fused_blocks
+    (one kernel call per layer where `fused` takes the rows)."""
     if fused is not None and fused.takes(aux_hidden.shape[0]):
         fused.append_context(drafter, kv, aux_hidden, positions, write_rows, write_slots)
         return
@@ -38,13 +56,14 @@ def append_context(drafter: Drafter, kv: KVCaches, aux_hidden: torch.Tensor, pos
 
 def propose(drafter: Drafter, kv: KVCaches, anchors: torch.Tensor, starts: torch.Tensor,
             block_tables: torch.Tensor, block_size: int, st: SamplingTensors,
-            kv_len: int | None = None, run_block: BlockPass | None = None) -> DraftProposal:
+            kv_len: int | None = None, run_block: BlockPass | None = None,
+            fused: FusedDraft | None = None) -> DraftProposal:
     """anchors/starts [R] (x0 and its position), block_tables [R, NB] -> γ drafts per request.
 
     `kv_len` is how many context keys to gather (default: the longest context, read with one
     device sync); a padded replay passes whole pages instead, known on the host. `run_block` runs
     the block pass (default: `block_pass` as it is; the compile backend passes its compiled form).
-    A block pass the drafter's fused layers take (fused_stack.py: a few bf16 rows on an AVX512-BF16 CPU)
+    A block pass `fused` takes (runner/fused_cpu.py: a few bf16 rows on an AVX512-BF16 CPU)
     runs there instead, reading the context in place.
     """
     cfg = drafter.config
@@ -52,11 +71,10 @@ def propose(drafter: Drafter, kv: KVCaches, anchors: torch.Tensor, starts: torch
     block_ids = torch.full((r, slots), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
     block_ids[:, 0] = anchors
     positions = starts[:, None] + torch.arange(slots, device=anchors.device)[None, :]   # [R, S]
-    fused = drafter.fused_blocks
     if fused is not None and fused.takes(r * slots):
         h_block = fused.block_forward(drafter, block_ids, positions, kv, block_tables, starts, block_size)
         h, base, state = block_outputs(drafter, h_block, anchors)
-        return _markov_loop(drafter, h, base, anchors, state, st)
+        return _markov_loop(drafter, h, base, anchors, state, st, fused)
     if kv_len is None:
         kv_len = max(int(starts.max()), 1)
     ctx_k = [gather_blocks(k, block_tables, block_size, kv_len).transpose(1, 2) for k, _ in kv]
@@ -64,7 +82,7 @@ def propose(drafter: Drafter, kv: KVCaches, anchors: torch.Tensor, starts: torch
     ctx_valid = torch.arange(kv_len, device=anchors.device)[None, :] < starts[:, None]  # [R, L]
     h, base, state = (run_block or block_pass)(drafter, block_ids, positions, ctx_k, ctx_v, ctx_valid,
                                                anchors)
-    return _markov_loop(drafter, h, base, anchors, state, st)
+    return _markov_loop(drafter, h, base, anchors, state, st, fused)
 
 
 def block_pass(drafter: Drafter, block_ids: torch.Tensor, positions: torch.Tensor,
@@ -88,17 +106,17 @@ def block_outputs(drafter: Drafter, h_block: torch.Tensor, anchors: torch.Tensor
 
 
 def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor,
-                 state: torch.Tensor | None, st: SamplingTensors) -> DraftProposal:
+                 state: torch.Tensor | None, st: SamplingTensors,
+                 fused: FusedDraft | None = None) -> DraftProposal:
     """base [R, γ, V_draft]; sample x_k from softmax((U_k + B_k) / T) given x_{k-1}. A greedy
     step's vanilla head runs as one kernel call where the drafter's fused layers run; a sampled
     step sets up its noise and buffers once (`_DraftSampler`), so each position adds only the
     head's step, one softmax and one race."""
     cfg = drafter.config
-    fused = drafter.fused_blocks.markov_greedy(drafter, h, base, anchors) \
-        if st.all_greedy and drafter.fused_blocks is not None else None
-    if fused is not None:
-        return DraftProposal(tokens=fused[0], probs=None,
-                             confidence_logits=fused[1] if cfg.enable_confidence_head else None)
+    greedy = fused.markov_greedy(drafter, h, base, anchors) if st.all_greedy and fused is not None else None
+    if greedy is not None:
+        return DraftProposal(tokens=greedy[0], probs=None,
+                             confidence_logits=greedy[1] if cfg.enable_confidence_head else None)
     sampler = None if st.all_greedy else _DraftSampler.start(drafter, st, anchors.shape[0], h.shape[1],
                                                              base.device)
     tokens, conf = [], []

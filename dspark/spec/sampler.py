@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.models.layers.cpu_kernels import greedy_tokens
+from dspark.kernels.cpu import greedy_tokens
 from dspark.sampling_params import SamplingParams
 
 
@@ -170,6 +170,15 @@ def _truncation(sorted_logits: torch.Tensor, norm: torch.Tensor, top_k: torch.Te
         before = probs.cumsum(dim=-1) - probs        # the first token is always kept
         drop |= before >= top_p[:, None]
     return drop
+
+
+def request_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A seeded request's generator, made where its noise is drawn: on a GPU a vocabulary of noise
+    per row and step is drawn there, not on the host and copied. On the CPU it is the generator
+    seeded requests always had, so their tokens keep their bits (a GPU's stream differs)."""
+    if device.type == "cpu":
+        return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],

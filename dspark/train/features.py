@@ -19,7 +19,7 @@ import torch
 from dspark.models.llama import CausalLM
 from dspark.models.model_config import ModelConfig
 from dspark.worker.inputs import RequestChunk, build_inputs
-from dspark.worker.kv_cache import allocate_kv_cache
+from dspark.models.kv_cache import allocate_kv_cache
 
 
 @dataclass

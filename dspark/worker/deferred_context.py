@@ -21,10 +21,13 @@ owner's rows. The drafter only ever reads its cache in a drafting step, after th
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from dspark.models.drafter import Drafter
-from dspark.spec.draft import KVCaches, append_context
+# (aux_hidden [T, m*d_t], positions [T], write_rows [W] or None, write_slots [W]): the drafter's
+# context append (Runner.append_context over the drafter's cache)
+Append = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
 
 DEFAULT_MAX_BYTES = 64 << 20     # held features; the rows of about 11,000 tokens for SmolLM2-135M
 FIRST_ROWS = 256                 # the buffer's first size; it doubles as steps hold more
@@ -79,15 +82,15 @@ class DeferredContext:
         if blocks:
             self.released_at[torch.tensor(blocks, device=self.device)] = self.holds
 
-    def make_room(self, drafter: Drafter, kv: KVCaches) -> None:
+    def make_room(self, append: Append) -> None:
         """Drop the rows of released blocks; append the rest if they still fill half the room."""
         self._compact()
         if self.aux is None:
             return
         if 2 * self.num_rows >= self.max_rows(self.aux.shape[1], self.aux.element_size()):
-            self.flush(drafter, kv)
+            self.flush(append)
 
-    def flush(self, drafter: Drafter, kv: KVCaches) -> int:
+    def flush(self, append: Append) -> int:
         """Append every live held row in step order, in one call; returns the rows appended."""
         self._compact()
         if self.num_rows == 0:
@@ -96,7 +99,7 @@ class DeferredContext:
         # a slot written by two held steps (freed and handed on in between) keeps the later
         # write: index_copy_ with a repeated slot could keep either
         last = _last_writes(slots)
-        append_context(drafter, kv, self.aux[:n], self.positions[:n], last, slots[last])
+        append(self.aux[:n], self.positions[:n], last, slots[last])
         self.num_rows = 0
         self.flushes += 1
         return int(last.shape[0])

@@ -1,14 +1,28 @@
-"""Scheduled requests -> flat (ragged) model inputs and the attention metadata of one step."""
+"""Scheduled requests -> flat (ragged) model inputs and the attention metadata of one step.
+
+Everything is built on the host. For a CUDA device every tensor of the step (ids, positions,
+slots, block tables, masks, the variable-length attention's offsets and gather index) is packed
+into one pinned buffer and copied once, without blocking: a copy from pageable memory first waits
+for the work already queued on the device, and a step has a dozen such tensors.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 
+from dspark.models.layers import varlen_attention
 from dspark.models.layers.attention import AttentionMetadata, AttentionPart
+from dspark.models.layers.varlen_attention import VarlenMetadata
 from dspark.worker.penalties import TokenHistory
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -32,7 +46,9 @@ class StepInputs:
 
 
 def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.device,
-                 sliding_window: int | None = None) -> StepInputs:
+                 sliding_window: int | None = None, varlen: bool | None = None) -> StepInputs:
+    """varlen: also describe the step for FlashAttention's variable-length kernel (default: on
+    CUDA, where attention takes it)."""
     q_lens = [len(c.token_ids) for c in chunks]
     starts = [c.start for c in chunks]
     ctx_lens = [s + q for s, q in zip(starts, q_lens)]
@@ -46,11 +62,101 @@ def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.devi
     tables = _padded_tables(chunks)
     slots = torch.tensor(_slots(chunks, block_size), dtype=torch.long)                # -1: no write
     every_row = [c.num_logits == len(c.token_ids) for c in chunks]          # decode and verify rows
-    attn = _metadata(q_lens, every_row, starts, ctx_lens, tables, slots, block_size,
-                     sliding_window).to(device)
-    to = lambda x: torch.as_tensor(x, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
-    return StepInputs(input_ids=to(ids), positions=to(positions), qo_indptr=to(indptr),
-                      logits_indices=to(logits), attn=attn)
+    attn = _metadata(q_lens, every_row, starts, ctx_lens, tables, slots, block_size, sliding_window,
+                     in_place_keys=device.type == "cpu")
+    if varlen is None:
+        varlen = device.type == "cuda"
+    if varlen:
+        attn = dataclasses.replace(attn, varlen=_varlen_metadata(indptr, ctx_lens, tables, block_size,
+                                                                 sliding_window))
+    long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    host = StepInputs(input_ids=long(ids), positions=long(positions), qo_indptr=long(indptr),
+                      logits_indices=long(logits), attn=attn)
+    return host if device.type == "cpu" else to_device(host, device)
+
+
+def to_device(host: T, device: torch.device, pin: bool | None = None) -> T:
+    """A dataclass of host tensors (nested dataclasses and tuples of them included) with every
+    tensor moved to `device` through one packed buffer (pinned for CUDA), in one copy."""
+    found: list[torch.Tensor] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_tensors(host, collect)
+    buffer, fields = pack(found, pin=device.type == "cuda" if pin is None else pin)
+    # torch's pinned-memory cache keeps `buffer` from reuse until the copy has run
+    moved = iter(unpack(buffer.to(device, non_blocking=True), fields))
+    return map_tensors(host, lambda t: next(moved))
+
+
+def map_tensors(obj: T, fn: Callable[[torch.Tensor], torch.Tensor]) -> T:
+    """obj with fn applied to every tensor in it, in field order (dataclasses, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(x, fn) for x in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+@dataclass(frozen=True)
+class PackedField:
+    """Where one tensor lies in a packed buffer."""
+    offset: int                    # bytes from the buffer's start (a multiple of PACK_ALIGN)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+PACK_ALIGN = 16        # every field starts aligned for any dtype's view (and for vector loads)
+
+
+def pack(tensors: list[torch.Tensor], pin: bool) -> tuple[torch.Tensor, list[PackedField]]:
+    """Tensors of any dtypes -> one uint8 buffer holding them all, and where each lies."""
+    fields, offset = [], 0
+    for t in tensors:
+        fields.append(PackedField(offset, t.dtype, tuple(t.shape)))
+        offset += -(-fields[-1].nbytes // PACK_ALIGN) * PACK_ALIGN
+    buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+    for t, f in zip(tensors, fields):
+        _view(buffer, f).copy_(t)
+    return buffer, fields
+
+
+def unpack(buffer: torch.Tensor, fields: list[PackedField]) -> list[torch.Tensor]:
+    """The tensors `pack` put into buffer, as views of it (wherever it now lives)."""
+    return [_view(buffer, f) for f in fields]
+
+
+def _view(buffer: torch.Tensor, f: PackedField) -> torch.Tensor:
+    return buffer[f.offset:f.offset + f.nbytes].view(f.dtype).view(f.shape)
+
+
+def _varlen_metadata(indptr: list[int], ctx_lens: list[int], tables: torch.Tensor, block_size: int,
+                     window: int | None) -> VarlenMetadata:
+    """Query and key offsets, and either the pages (block tables the kernel reads in place) or
+    the cache slot of every key of every request in order (one gather per layer)."""
+    r, max_ctx = len(ctx_lens), max(ctx_lens)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), ctx.cumsum(0, dtype=torch.int32)])
+    q_lens = [b - a for a, b in zip(indptr, indptr[1:])]
+    width = -(-max_ctx // block_size)
+    tables = F.pad(tables, (0, max(0, width - tables.shape[1])))[:, :width].clamp(min=0)  # dummies: block 0
+    common = dict(cu_seq_q=torch.tensor(indptr, dtype=torch.int32), cu_seq_k=cu_k, max_q=max(q_lens),
+                  max_k=max_ctx, page_size=block_size, window=window)
+    if varlen_attention.paged_layout(block_size):
+        return VarlenMetadata(**common, kv_index=None, block_table=tables.to(torch.int32).contiguous(),
+                              seqused_k=ctx)
+    slots = (tables[:, :, None] * block_size + torch.arange(block_size)).view(r, -1)    # [R, NB*bs]
+    kv_index = slots[torch.arange(slots.shape[1])[None, :] < ctx[:, None]].to(torch.int32)
+    return VarlenMetadata(**common, kv_index=kv_index, block_table=None, seqused_k=None)
 
 
 def _slots(chunks: list[RequestChunk], block_size: int) -> list[int]:
@@ -79,11 +185,11 @@ SPLIT_MIN_Q = 16     # queries at least this long (prefill chunks) are attended 
 
 
 def _metadata(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens: list[int],
-              tables: torch.Tensor, slots: torch.Tensor, block_size: int, window: int | None
-              ) -> AttentionMetadata:
-    parts = _parts(q_lens, every_row, starts, ctx_lens, tables, block_size, window)
+              tables: torch.Tensor, slots: torch.Tensor, block_size: int, window: int | None,
+              in_place_keys: bool) -> AttentionMetadata:
+    parts = _parts(q_lens, every_row, starts, ctx_lens, tables, block_size, window, in_place_keys)
     if parts is None:
-        meta = _request_metadata(q_lens, starts, ctx_lens, tables, block_size, window)
+        meta = _request_metadata(q_lens, starts, ctx_lens, tables, block_size, window, in_place_keys)
     else:        # attention reads the parts alone: no step-wide padded query or mask is built
         meta = AttentionMetadata(num_reqs=len(q_lens), max_q=max(q_lens), write_rows=None,
                                  write_slots=slots, block_tables=tables.clamp(min=0),
@@ -97,7 +203,8 @@ def _metadata(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_l
 
 
 def _parts(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens: list[int],
-           tables: torch.Tensor, block_size: int, window: int | None) -> tuple[AttentionPart, ...] | None:
+           tables: torch.Tensor, block_size: int, window: int | None, in_place_keys: bool
+           ) -> tuple[AttentionPart, ...] | None:
     """Decode rows and verify blocks (chunks that sample at every row) with short prefill chunks
     as the first group, long prefill chunks as the second, when a step has both: each group is
     padded to its own longest query and context, and the first stays within what the CPU
@@ -117,14 +224,15 @@ def _parts(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens
         pick = lambda xs: [xs[i] for i in group]  # noqa: E731
         rows = torch.tensor([j for i in group for j in range(offsets[i], offsets[i + 1])])
         meta = _request_metadata(pick(q_lens), pick(starts), pick(ctx_lens), tables[group],
-                                 block_size, window)
+                                 block_size, window, in_place_keys)
         parts.append(AttentionPart(rows=rows, meta=meta))
     return tuple(parts)
 
 
 def _request_metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables: torch.Tensor,
-                      block_size: int, window: int | None) -> AttentionMetadata:
-    """What attention needs of these requests (query padding, mask, block tables); no writes."""
+                      block_size: int, window: int | None, in_place_keys: bool = True) -> AttentionMetadata:
+    """What attention needs of these requests (query padding, mask, block tables); no writes.
+    in_place_keys: also each token's key range, which only the CPU kernel reads."""
     r, max_q, max_ctx = len(q_lens), max(q_lens), max(ctx_lens)
     tables = tables[:, :-(-max_ctx // block_size)]
     uniform = all(q == max_q for q in q_lens)
@@ -140,7 +248,8 @@ def _request_metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int],
     return AttentionMetadata(
         num_reqs=r, max_q=max_q, write_rows=None, write_slots=torch.zeros(0, dtype=torch.long),
         block_tables=tables.clamp(min=0), block_size=block_size, kv_len=max_ctx, q_index=q_index,
-        mask=mask, is_causal=causal, token_keys=_token_keys(q_lens, starts, window))
+        mask=mask, is_causal=causal,
+        token_keys=_token_keys(q_lens, starts, window) if in_place_keys else None)
 
 
 def _token_keys(q_lens: list[int], starts: list[int], window: int | None) -> torch.Tensor:

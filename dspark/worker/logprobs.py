@@ -5,8 +5,8 @@ They are the target's raw log-probabilities: the log-softmax of its logits befor
 top-k or top-p (vLLM's default `raw_logprobs` mode), read at the row that committed each token.
 A committed token's row is the same whether the token was drafted and accepted, recovered after a
 rejection or decoded plainly, so its log-probability does not depend on speculation. Each wanted
-row becomes [chosen token, its log-prob, top-k log-probs, top-k ids] and travels in the step's
-single device->host copy; a step in which nobody asks computes nothing here.
+row becomes [chosen token, its log-prob, top-k log-probs, top-k ids] and travels with the step's
+other results to the host (one wait for the device); a step in which nobody asks computes nothing here.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class _Group:
 @dataclass
 class LogprobCollector:
     """The step's log-prob rows on the device and, on the host, whose rows they are."""
-    parts: list[torch.Tensor] = field(default_factory=list)     # each [n * (2 + 2k)]
+    parts: list[torch.Tensor] = field(default_factory=list)     # each [n, 2 + 2k]
     groups: list[_Group] = field(default_factory=list)
 
     def add(self, logits: torch.Tensor, tokens: torch.Tensor, owners: list[int], tops: list[int],
@@ -88,7 +88,7 @@ class LogprobCollector:
         """logits [N, V] and tokens [N] of several owners' rows, N split evenly between them
         (committed rows) or as each owner's row count (`prompt`, one owner per call)."""
         k = min(max(tops), logits.shape[-1])
-        self.parts.append(row_logprobs(logits, tokens, k).flatten())
+        self.parts.append(row_logprobs(logits, tokens, k))
         rows = logits.shape[0] // len(owners)
         self.groups += [_Group(prompt, owner, rows, min(top, k), k) for owner, top in zip(owners, tops)]
 
@@ -101,24 +101,18 @@ class LogprobCollector:
             self.add(logits[row:row + n], tokens, [w.chunk], [w.top], prompt=True)
             row += n
 
-    @property
-    def size(self) -> int:
-        """How many floats the parts hold (known on the host)."""
-        return sum(g.rows * (2 + 2 * g.k) for g in self.groups)
-
-    def unpack(self, flat: list[float]) -> tuple[dict[int, list[TokenLogprobs]],
-                                                 dict[int, list[TokenLogprobs]]]:
-        """The host copy of the parts -> (per sampling chunk: its rows' entries, per chunk: its
-        prompt rows' entries)."""
+    def unpack(self, parts: list[list[list[float]]]) -> tuple[dict[int, list[TokenLogprobs]],
+                                                              dict[int, list[TokenLogprobs]]]:
+        """The host copies of the parts -> (per sampling request: its rows' entries, per chunk:
+        its prompt rows' entries)."""
+        rows = [row for part in parts for row in part]
         committed: dict[int, list[TokenLogprobs]] = {}
         prompt: dict[int, list[TokenLogprobs]] = {}
         pos = 0
         for g in self.groups:
-            width = 2 + 2 * g.k
-            entries = [_entry(flat[pos + r * width: pos + (r + 1) * width], g.k, g.top)
-                       for r in range(g.rows)]
+            entries = [_entry(row, g.k, g.top) for row in rows[pos:pos + g.rows]]
             (prompt if g.prompt else committed)[g.owner] = entries
-            pos += g.rows * width
+            pos += g.rows
         return committed, prompt
 
 

@@ -23,9 +23,8 @@ import torch
 from tqdm import tqdm
 
 from dspark.sampling_params import SamplingParams
-from dspark.models.layers.cpu_kernels import greedy_tokens
+from dspark.kernels.cpu import greedy_tokens
 from dspark.spec.allocate import allocate
-from dspark.spec.draft import append_context
 from dspark.spec.sampler import SamplingTensors
 from dspark.spec.verify import accept_greedy
 from dspark.spec.planner import CostTable
@@ -117,7 +116,7 @@ def _draft_fn(worker: Worker, num_requests: int, context_len: int, logits: torch
     st = SamplingTensors.build([SamplingParams(temperature=0.0)] * num_requests,
                                [None] * num_requests, worker.config.vocab_size, dev)
     verified = build_inputs(chunks, worker.block_size, dev, worker.config.sliding_window)
-    aux = torch.randn(num_requests * rows, len(worker.aux_layer_ids) * worker.config.hidden_size,
+    aux = torch.randn(num_requests * rows, len(worker.runner.aux_layer_ids) * worker.config.hidden_size,
                       generator=torch.Generator().manual_seed(0)).to(dev, worker.kv_caches[0][0].dtype)
     spec_idx = list(range(num_requests))
     caps = torch.full((num_requests,), rows - 1, device=dev)
@@ -132,15 +131,15 @@ def _draft_fn(worker: Worker, num_requests: int, context_len: int, logits: torch
         lens.tolist()
         accept_greedy(greedy_tokens(block_logits)[block_rows], lens, proposal)
         attn = verified.attn            # the drafting step's rows into the drafter's context
-        append_context(worker.drafter, worker.draft_kv, aux, verified.positions, attn.write_rows,
-                       attn.write_slots)
+        worker.runner.append_context(worker.draft_kv, aux, verified.positions, attn.write_rows,
+                                     attn.write_slots)
     return run
 
 
 def _token_sizes(worker: Worker, cfg: ProfileConfig) -> list[int]:
     """The token counts to time: every graph bucket (a step costs what its bucket costs, so the
     staircase is exact), then every `token_stride`-th count past the largest bucket."""
-    buckets = worker.graphs.buckets if worker.graphs is not None else []
+    buckets = worker.runner.graphs.buckets
     inside = [b for b in buckets if b <= cfg.max_tokens]
     start = max(inside, default=0)
     beyond = range(start + cfg.token_stride, cfg.max_tokens + 1, cfg.token_stride) if inside else \

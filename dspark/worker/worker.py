@@ -8,81 +8,46 @@ the block's input rows on the device, so drafting, verification and acceptance n
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
+from dspark.kernels.cpu import greedy_tokens
 from dspark.models.drafter import Drafter
-from dspark.models.layers.cpu_kernels import greedy_tokens
+from dspark.models.kv_cache import allocate_kv_cache
 from dspark.models.llama import CausalLM, ModelOutput
 from dspark.models.model_config import ModelConfig
-from dspark.outputs import TokenLogprobs
+from dspark.runner.runner import Runner
+from dspark.runner.step_key import StepKey
 from dspark.sampling_params import SamplingParams
 from dspark.spec.allocate import allocate
-from dspark.spec.draft import append_context, propose
 from dspark.spec.sampler import SamplingTensors, sample
 from dspark.spec.sts import survival as cumulative_survival
 from dspark.spec.types import DraftProposal
 from dspark.spec.verify import accept, accept_greedy
 from dspark.worker.deferred_context import DeferredContext
-from dspark.worker.draft_graphs import DraftGraphs, build_draft_graphs
-from dspark.worker.graphs import StepGraphs, dummy_metadata
 from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
-from dspark.worker.kv_cache import allocate_kv_cache
-from dspark.worker.logprobs import LogprobCollector, PromptLogprobRows, split_logits
+from dspark.worker.logprobs import LogprobCollector, split_logits
 from dspark.worker.penalties import penalised_logits
-from dspark.worker.step_key import StepKey
-
-
-@dataclass
-class WorkerBatch:
-    chunks: list[RequestChunk]
-    params: list[SamplingParams]                  # one per chunk that samples, in chunk order
-    generators: list[torch.Generator | None]
-    spec: list[bool]                              # per sampling chunk: a speculative block?
-    verify_budget: int | None = None              # drafts to verify in total (None: all of them)
-    request_ids: list[str] | None = None          # per sampling chunk (dummy rows are told apart)
-    released_blocks: list[int] | None = None      # KV blocks freed since the last step
-    prompt_logprobs: list[PromptLogprobRows] | None = None   # chunks returning prompt log-probs
-
-
-@dataclass
-class StepResult:
-    tokens: list[list[int]]                       # per sampling chunk: the tokens to commit
-    num_accepted: list[int]                       # per sampling chunk: accepted drafts (0 if plain)
-    confidence_logits: list[list[float]] | None = None   # per spec chunk: z_k
-    spec_rows: list[bool] | None = None           # per sampling chunk: was it speculative
-    verify_lens: list[int] | None = None          # per sampling chunk: drafts verified (0 if plain)
-    logprobs: dict[int, list[TokenLogprobs]] | None = None          # per sampling chunk that asked:
-                                                  #   one entry per row (anchor + γ for a block)
-    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None   # per chunk that asked
+from dspark.worker.step import StepLayout, StepResult, WorkerBatch, to_host
 
 
 class Worker:
     def __init__(self, model: CausalLM, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, drafter: Drafter | None = None,
-                 graphs: StepGraphs | None = None, max_num_seqs: int | None = None):
+                 dtype: torch.dtype, device: torch.device, runner: Runner, drafter: Drafter | None = None):
         self.model = model
-        self.graphs = graphs                                  # None: unpadded eager forward
+        self.runner = runner                                  # how the forwards run (runner/)
         self.config = config
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
-        if graphs is not None:
-            graphs.capture(self.kv_caches, block_size)
         self.drafter = drafter
         self.sts_temperatures: torch.Tensor | None = None    # [γ] applied before allocation
         self.sts_offsets: torch.Tensor | None = None         # [γ]
-        self.dummy_steps = 0                                  # idle data-parallel steps run
         self.draft_kv = None
-        self.draft_graphs: DraftGraphs | None = None          # None: the draft step runs unpadded
         self.deferred = DeferredContext(num_blocks, block_size, device)   # rows of undrafted steps
         if drafter is not None:
             self.draft_kv = allocate_kv_cache(drafter.config, num_blocks, block_size, dtype, device)
-            if graphs is not None:                            # the draft step in the target's mode
-                self.draft_graphs = build_draft_graphs(drafter, graphs, num_blocks, block_size,
-                                                       config.max_position_embeddings, max_num_seqs)
-                self.draft_graphs.capture(self.draft_kv)
+        runner.capture(self.kv_caches, self.draft_kv, num_blocks, block_size)
 
     @torch.inference_mode()
     def execute(self, batch: WorkerBatch, key: StepKey | None = None) -> StepResult:
@@ -90,36 +55,36 @@ class Worker:
         if self.drafter is not None:
             self.deferred.release(batch.released_blocks)
         st = SamplingTensors.build(batch.params, batch.generators, self.config.vocab_size, self.device)
-        spec_idx = [i for i, s in enumerate(batch.spec) if s]
+        blocks = [i for i, s in enumerate(batch.spec) if s]
         proposal = lens = None
-        if spec_idx:
-            self.deferred.flush(self.drafter, self.draft_kv)                       # the drafter reads all context
-            sampling = [c for c in batch.chunks if c.num_logits > 0]
-            ids = [batch.request_ids[i] for i in spec_idx] if batch.request_ids is not None else None
-            proposal = self._draft(sampling, spec_idx, st, ids, key)
-            batch, lens = self._verify_lengths(batch, sampling, spec_idx, proposal)
+        if blocks:
+            self.deferred.flush(self._append)                                      # the drafter reads all context
+            ids = [batch.request_ids[i] for i in blocks] if batch.request_ids is not None else None
+            proposal = self._draft(batch.sampling, blocks, st, ids, key)
+            batch, lens = self._verify_lengths(batch, blocks, proposal)
+        layout = StepLayout.of(batch)
         inputs = build_inputs(batch.chunks, self.block_size, self.device, self.config.sliding_window)
-        sampling = [c for c in batch.chunks if c.num_logits > 0]
-        if spec_idx:
-            self._place_drafts(inputs, batch.chunks, spec_idx, proposal.tokens)
+        if blocks:
+            self._place_drafts(inputs, layout, proposal.tokens)
         out = self.forward(inputs, key)
         if self.drafter is not None:
-            self._append_context(out.aux_hidden, inputs, drafted=bool(spec_idx))
-        return self._accept(out.logits, batch, sampling, spec_idx, proposal, st, lens)
+            self._append_context(out.aux_hidden, inputs, drafted=bool(blocks))
+        return self._accept(out.logits, batch, layout, proposal, st, lens)
 
-    def _verify_lengths(self, batch: WorkerBatch, sampling: list[RequestChunk], spec_idx: list[int],
+    def _verify_lengths(self, batch: WorkerBatch, blocks: list[int],
                         proposal: DraftProposal) -> tuple[WorkerBatch, torch.Tensor]:
         """[R_spec] drafts each block verifies: all of them, or under a verify budget the
         allocator's choice from the current confidences. The lengths are read back and the
         step laid out with the verified rows alone (its inputs are built after the drafter
         pass): a layout padded to every draft with the unverified rows masked costs attention
         and metadata for rows that are never read."""
-        caps = [len(sampling[i].token_ids) - 1 for i in spec_idx]
+        sampling = batch.sampling
+        caps = [len(sampling[i].token_ids) - 1 for i in blocks]
         cap_tensor = torch.tensor(caps, device=self.device)
         if batch.verify_budget is None or batch.verify_budget >= sum(caps):
             return batch, cap_tensor
         lens = allocate(self._survival(proposal, cap_tensor), batch.verify_budget)
-        return _trimmed(batch, spec_idx, lens.tolist()), lens
+        return _trimmed(batch, blocks, lens.tolist()), lens
 
     def _append_context(self, aux_hidden: torch.Tensor, inputs: StepInputs, drafted: bool) -> None:
         """The step's rows into the drafter's context: now after a drafting step (the next one
@@ -129,50 +94,32 @@ class Worker:
         args = (aux_hidden, inputs.positions, attn.write_rows, attn.write_slots)
         if not drafted:
             if not self.deferred.fits(aux_hidden, attn.write_rows):
-                self.deferred.make_room(self.drafter, self.draft_kv)
+                self.deferred.make_room(self._append)
             if self.deferred.fits(aux_hidden, attn.write_rows):
                 self.deferred.hold(*args)
                 return
-            self.deferred.flush(self.drafter, self.draft_kv)                     # held rows go first
-        append_context(self.drafter, self.draft_kv, *args)
+            self.deferred.flush(self._append)                                   # held rows go first
+        self._append(*args)
+
+    def _append(self, aux_hidden: torch.Tensor, positions: torch.Tensor, write_rows: torch.Tensor | None,
+                write_slots: torch.Tensor) -> None:
+        self.runner.append_context(self.draft_kv, aux_hidden, positions, write_rows, write_slots)
 
     def sync_draft_context(self) -> None:
         """Append the held context rows now (the drafter's cache as a drafting step would see it)."""
         if self.drafter is not None:
-            self.deferred.flush(self.drafter, self.draft_kv)
-
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        return self.drafter.config.target_layer_ids if self.drafter is not None else ()
+            self.deferred.flush(self._append)
 
     def forward(self, inputs: StepInputs, key: StepKey | None = None) -> ModelOutput:
-        """The target over a step's rows: at its graph bucket when there are graphs (the agreed
-        one under data parallelism)."""
-        args = (inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
-        if self.graphs is None:
-            x, aux = self.model.forward_hidden(*args, self.aux_layer_ids)
-        elif key is None:
-            x, aux = self.graphs.run(*args)
-        elif key.tokens is None:
-            x, aux = self.graphs.run_unpadded(*args)
-        else:
-            x, aux = self.graphs.run(*args, bucket=key.tokens, use_runner=key.captured)
+        """The target over a step's rows, as the runner runs it (at the agreed key under data
+        parallelism)."""
+        x, aux = self.runner.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, key)
         return self.model.compute_logits(x, inputs.logits_indices, aux)
 
     @torch.inference_mode()
     def dummy_step(self, key: StepKey) -> None:
-        """An idle data-parallel rank's share of a step: the agreed key run on dummies alone
-        (no live row, no K/V write, outputs dropped), so its peers' graphs have a partner."""
-        if key.idle or self.graphs is None:
-            return
-        bucket = key.tokens if key.tokens is not None else self.graphs.buckets[-1]
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        if self.draft_graphs is not None and key.draft_reqs in self.draft_graphs.buffers:
-            self.draft_graphs.run(self.draft_kv, empty, empty, empty.view(0, 1), bucket=key.draft_reqs,
-                                  table_width=key.table_width)
-        self.graphs.run(empty, empty, dummy_metadata(self.block_size, self.device), self.kv_caches,
-                        bucket=bucket, use_runner=key.captured)
-        self.dummy_steps += 1
+        """An idle data-parallel rank's share of a step (Runner.dummy_step)."""
+        self.runner.dummy_step(key, self.kv_caches, self.draft_kv)
 
     def step_shape(self, batch: WorkerBatch) -> tuple[int, int, int, int]:
         """(requests, target rows after the verify budget, draft requests, widest block table)
@@ -198,71 +145,56 @@ class Worker:
 
     def _draft(self, sampling: list[RequestChunk], spec_idx: list[int], st: SamplingTensors,
                request_ids: list[str] | None = None, key: StepKey | None = None) -> DraftProposal:
-        """The drafter over the speculative requests, at their request bucket when there are
-        draft graphs; a data-parallel `key` forces the padded shape."""
+        """The drafter over the speculative requests (Runner.draft)."""
         chunks = [sampling[i] for i in spec_idx]
         anchors = torch.tensor([c.token_ids[0] for c in chunks], device=self.device)
         starts = torch.tensor([c.start for c in chunks], device=self.device)
         width = max(len(c.block_table) for c in chunks)
         tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks],
                               device=self.device)
-        if self.draft_graphs is None:
-            return propose(self.drafter, self.draft_kv, anchors, starts, tables, self.block_size,
-                           st.select(spec_idx))
-        bucket, width = None, None
-        if key is not None and key.draft_reqs in self.draft_graphs.buffers:   # else above every bucket
-            bucket, width = key.draft_reqs, key.table_width
-        return self.draft_graphs.run(self.draft_kv, anchors, starts, tables, st.select(spec_idx),
-                                     request_ids, bucket=bucket, table_width=width).proposal
+        return self.runner.draft(self.draft_kv, anchors, starts, tables, st.select(spec_idx), request_ids, key)
 
-    def _place_drafts(self, inputs: StepInputs, chunks: list[RequestChunk], spec_idx: list[int],
-                      drafts: torch.Tensor) -> None:
-        """Write each block's first ℓ drafts into its input rows (rows after the anchor)."""
-        rows, src = [], []
-        offsets = _sampling_offsets(chunks)
-        sampling = [c for c in chunks if c.num_logits > 0]
-        for j, i in enumerate(spec_idx):
-            verify_len = len(sampling[i].token_ids) - 1
-            rows += [offsets[i] + 1 + k for k in range(verify_len)]
-            src += [j * drafts.shape[1] + k for k in range(verify_len)]
+    def _place_drafts(self, inputs: StepInputs, layout: StepLayout, drafts: torch.Tensor) -> None:
+        """Write each block's verified drafts [R, γ] into its input rows (after its anchor)."""
+        rows = layout.draft_rows()
         if rows:
+            gamma = drafts.shape[1]
+            src = [j * gamma + k for j, i in enumerate(layout.blocks) for k in range(layout.num_rows[i] - 1)]
             index = torch.tensor(rows, device=self.device)
             inputs.input_ids.index_copy_(0, index, drafts.flatten()[torch.tensor(src, device=self.device)])
 
-    def _accept(self, logits, batch, sampling, spec_idx, proposal, st, lens) -> StepResult:
+    def _accept(self, logits: torch.Tensor, batch: WorkerBatch, layout: StepLayout,
+                proposal: DraftProposal | None, st: SamplingTensors, lens: torch.Tensor | None) -> StepResult:
+        """Sample the plain rows, accept or reject each block's drafts, gather the log-probs
+        asked for; then the step's one wait for the device (to_host)."""
         logits, prompt_logits = split_logits(logits, batch.chunks)
         raw, logits = logits, penalised_logits(    # penalties for sampling; log-probs read raw rows
-            logits, [c.history for c in sampling], batch.params, [c.num_logits for c in sampling],
+            logits, [c.history for c in batch.sampling], batch.params, list(layout.num_rows),
             batch.spec, proposal.tokens if proposal is not None else None)
         wanted = LogprobCollector()
         if prompt_logits is not None:
             wanted.add_prompt(prompt_logits, batch.prompt_logprobs)
-        counts = [c.num_logits for c in sampling]
-        plain_idx = [i for i, s in enumerate(batch.spec) if not s]
-        parts = []
-        if plain_idx:
-            last = torch.tensor(_last_rows(counts, plain_idx), device=self.device)
-            tokens = sample(logits[last], st.select(plain_idx))
-            parts.append(tokens)
-            self._want(wanted, batch.params, plain_idx, raw, last, tokens)
-        if spec_idx:
+        out: dict[str, torch.Tensor] = {}
+        if layout.plain:
+            last = torch.tensor(layout.last_rows(), device=self.device)
+            out["plain"] = sample(logits[last], st.select(layout.plain))                 # [P]
+            self._want(wanted, batch.params, layout.plain, raw, last, out["plain"])
+        if layout.blocks:
             width = proposal.tokens.shape[1] + 1
-            block_rows = torch.tensor(_block_rows(counts, spec_idx, width), device=self.device)  # [R, γ+1]
-            spec_st = st.select(spec_idx)
+            block_rows = torch.tensor(layout.block_rows(width), device=self.device)      # [R, γ+1]
+            spec_st = st.select(layout.blocks)
             if spec_st.all_greedy:
                 res = accept_greedy(greedy_tokens(logits)[block_rows], lens, proposal)
             else:
                 res = accept(logits[block_rows], lens, proposal, spec_st)
-            parts += [res.num_accepted, lens, res.tokens.flatten()]
+            out |= {"accepted": res.num_accepted, "verified": lens, "blocks": res.tokens}
             if proposal.confidence_logits is not None:
-                parts.append(proposal.confidence_logits.flatten())
-            self._want(wanted, batch.params, spec_idx, raw, block_rows, res.tokens)
-        if not parts and not wanted.parts:   # only prefill chunks that do not reach a prompt's end
-            return StepResult(tokens=[], num_accepted=[], spec_rows=[])
-        flat = torch.cat([p.float() for p in parts + wanted.parts]).tolist()   # the step's one copy
-        result = _unpack(flat, batch.spec, plain_idx, spec_idx, proposal)
+                out["confidence"] = proposal.confidence_logits                          # [R, γ]
+            self._want(wanted, batch.params, layout.blocks, raw, block_rows, res.tokens)
+        copied = to_host(list(out.values()) + wanted.parts)
+        result = _result(layout, dict(zip(out, copied)))
         if wanted.groups:
-            result.logprobs, result.prompt_logprobs = wanted.unpack(flat[len(flat) - wanted.size:])
+            result.logprobs, result.prompt_logprobs = wanted.unpack(copied[len(out):])
         return result
 
     @staticmethod
@@ -279,36 +211,6 @@ class Worker:
                    [chunks[j] for j in asking], [params[chunks[j]].logprobs for j in asking])
 
 
-def _chunk_starts(counts: list[int]) -> list[int]:
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    return starts
-
-
-def _last_rows(counts: list[int], chunks: list[int]) -> list[int]:
-    """The logits row each plain chunk samples from (its last)."""
-    starts = _chunk_starts(counts)
-    return [starts[i] + counts[i] - 1 for i in chunks]
-
-
-def _block_rows(counts: list[int], blocks: list[int], width: int) -> list[list[int]]:
-    """The logits rows of each speculative block, `width` (γ+1) per block; a block with fewer
-    verified rows repeats its last one (positions past its verify length, never read)."""
-    starts = _chunk_starts(counts)
-    return [[starts[i] + min(k, counts[i] - 1) for k in range(width)] for i in blocks]
-
-
-def _sampling_offsets(chunks: list[RequestChunk]) -> list[int]:
-    """Flat row of each sampling chunk's first token (non-sampling chunks lie in between)."""
-    offsets, row = [], 0
-    for c in chunks:
-        if c.num_logits > 0:
-            offsets.append(row)
-        row += len(c.token_ids)
-    return offsets
-
-
 def _trimmed(batch: WorkerBatch, spec_idx: list[int], verify_lens: list[int]) -> WorkerBatch:
     """The batch with each speculative block cut to its anchor and its verified drafts."""
     keep = dict(zip(spec_idx, verify_lens))
@@ -322,22 +224,17 @@ def _trimmed(batch: WorkerBatch, spec_idx: list[int], verify_lens: list[int]) ->
     return dataclasses.replace(batch, chunks=chunks)
 
 
-def _unpack(flat: list[float], spec_flags, plain_idx, spec_idx, proposal) -> StepResult:
-    n_plain, n_spec = len(plain_idx), len(spec_idx)
-    tokens: list[list[int]] = [[] for _ in spec_flags]
-    accepted, verified = [0] * len(spec_flags), [0] * len(spec_flags)
-    for j, i in enumerate(plain_idx):
-        tokens[i] = [int(flat[j])]
-    conf = None
-    if n_spec:
-        gamma = proposal.tokens.shape[1]
-        base = n_plain + 2 * n_spec
-        for j, i in enumerate(spec_idx):
-            a = int(flat[n_plain + j])
-            accepted[i], verified[i] = a, int(flat[n_plain + n_spec + j])
-            tokens[i] = [int(t) for t in flat[base + j * (gamma + 1): base + j * (gamma + 1) + a + 1]]
-        if proposal.confidence_logits is not None:
-            start = base + n_spec * (gamma + 1)
-            conf = [flat[start + j * gamma: start + (j + 1) * gamma] for j in range(n_spec)]
-    return StepResult(tokens=tokens, num_accepted=accepted, confidence_logits=conf,
-                      spec_rows=list(spec_flags), verify_lens=verified)
+def _result(layout: StepLayout, host: dict[str, list]) -> StepResult:
+    """The host copies of the step's result tensors -> per sampling request."""
+    n = len(layout.spec)
+    result = StepResult(tokens=[[] for _ in range(n)], num_accepted=[0] * n, verify_lens=[0] * n,
+                        confidence_logits=[None] * n)
+    for j, i in enumerate(layout.plain):
+        result.tokens[i] = [host["plain"][j]]
+    for j, i in enumerate(layout.blocks):
+        accepted = host["accepted"][j]
+        result.num_accepted[i], result.verify_lens[i] = accepted, host["verified"][j]
+        result.tokens[i] = host["blocks"][j][:accepted + 1]
+        if "confidence" in host:
+            result.confidence_logits[i] = host["confidence"][j]
+    return result

@@ -6,7 +6,7 @@ import pytest
 
 from dspark.distributed.agreement import LocalShape, agree, captured_mask, table_bucket
 from dspark.distributed.router import Router
-from dspark.worker.graphs import token_buckets
+from dspark.runner.graphs import token_buckets
 
 TOKENS = token_buckets(512)
 REQUESTS = token_buckets(64)

@@ -46,13 +46,14 @@ def reference(models):
 @pytest.fixture(scope="module")
 def group(models):
     llm = LLM(**engine_kwargs(models, data_parallel_size=2, dp_timeout_s=20.0))
+    llm.engine.key_log = []
     yield llm
     llm.close()
     assert all(p.exitcode == 0 for p in llm.engine.processes.values())
 
 
 def assert_same_key_every_step(engine, since=0):
-    replays = list(engine.replays)[since:]
+    replays = engine.key_log[since:]
     assert replays, "no step ran"
     for ran in replays:
         keys = {key for key, _ in ran}
@@ -62,7 +63,7 @@ def assert_same_key_every_step(engine, since=0):
 
 def test_asymmetric_batches_equal_one_engine(group, reference):
     prompts, params = workload(12)
-    since = len(group.engine.replays)
+    since = len(group.engine.key_log)
     out = [o.token_ids for o in group.generate(prompts[:5], params[:5])]   # 3 on rank 0, 2 on rank 1
     assert out == reference[:5]
     replays = assert_same_key_every_step(group.engine, since)
@@ -71,29 +72,29 @@ def test_asymmetric_batches_equal_one_engine(group, reference):
 
 def test_one_idle_rank_runs_dummies(group, reference):
     prompts, params = workload(12)
-    since, dummies = len(group.engine.replays), group.engine.local.worker.dummy_steps
+    since, dummies = len(group.engine.key_log), group.engine.local.worker.runner.dummy_steps
     out = group.generate([prompts[7]], params[7])[0].token_ids              # rank 1 has nothing
     assert out == reference[7]
     replays = assert_same_key_every_step(group.engine, since)
     assert all(ran[0][1] and not ran[1][1] for ran in replays)              # rank 0 live, rank 1 dummy
     assert any(ran[1][0].draft_reqs for ran in replays)     # rank 1's dummy query drafted too
-    assert group.engine.local.worker.dummy_steps == dummies
+    assert group.engine.local.worker.runner.dummy_steps == dummies
 
 
 def test_shrinking_batches_step_down_together(group, reference):
     """Step by step: rank 0's padding rows past its live rows are dummies after every step."""
     prompts, params = workload(12)
     engine = group.engine
-    since = len(engine.replays)
+    since = len(engine.key_log)
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    graphs, done, checked = engine.local.worker.graphs, {}, 0
+    graphs, done, checked = engine.local.worker.runner.graphs, {}, 0
     while engine.has_unfinished:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-        if engine.last_rows is None or not engine.replays or len(engine.replays) == since:
+        if engine.last_rows is None or len(engine.key_log) == since:
             continue
-        key, live = engine.replays[-1][0]
+        key, live = engine.key_log[-1][0]
         tokens = engine.last_rows[0].tokens if live else 0
         if key.tokens is not None:
             assert graphs.input_ids[key.tokens][tokens:].eq(0).all()
@@ -111,6 +112,7 @@ def test_different_page_counts(models, reference):
     config = build_config(**engine_kwargs(models, data_parallel_size=2))
     factory = functools.partial(engine_with_blocks, {1: 1024 * PER_TOKEN})
     engine = start_group(config, factory)
+    engine.key_log = []
     try:
         llm = LLM.__new__(LLM)
         llm.engine, llm.tokenizer = engine, None
@@ -129,6 +131,7 @@ def test_compiled_buckets_equal_one_engine(models, reference):
     prompts, params = workload(12)
     llm = LLM(**{**engine_kwargs(models, data_parallel_size=2, max_graph_tokens=16, max_num_seqs=8),
                  "graph": "compile"})
+    llm.engine.key_log = []
     try:
         out = [o.token_ids for o in llm.generate(prompts, params)]
         replays = assert_same_key_every_step(llm.engine)
@@ -144,6 +147,7 @@ def test_confidence_budgets_planned_per_rank(models, reference):
     prompts, params = workload(12)
     llm = LLM(**engine_kwargs(models, data_parallel_size=2, spec_schedule="confidence",
                               cost_table="auto", max_num_seqs=8))
+    llm.engine.key_log = []
     try:
         out = [o.token_ids for o in llm.generate(prompts, params)]
         assert_same_key_every_step(llm.engine)

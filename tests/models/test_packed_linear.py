@@ -8,14 +8,14 @@ from torch._inductor.utils import run_and_get_code
 from dspark.bench.roofline import weight_bytes
 from dspark.engine.block_manager import BlockManager
 from dspark.llm import LLM
-from dspark.models.layers import cpu_kernels
+from dspark.kernels import cpu as cpu_kernels
 from dspark.models.layers.linear import Linear, lower_packed_linear, pack_for_inference, pack_linears
 from dspark.models.drafter_loader import save_speculators
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
 from dspark.train.prune_vocab import prune_drafter
 from dspark.worker.inputs import RequestChunk, build_inputs
-from dspark.worker.kv_cache import allocate_kv_cache
+from dspark.models.kv_cache import allocate_kv_cache
 from tiny import save_random_drafter, save_tiny
 
 BF16 = torch.bfloat16

@@ -6,7 +6,7 @@ import torch
 from dspark.engine.block_manager import BlockManager
 from dspark.models.loader import load_target
 from dspark.worker.inputs import RequestChunk, build_inputs
-from dspark.worker.kv_cache import allocate_kv_cache
+from dspark.models.kv_cache import allocate_kv_cache
 from tiny import save_tiny
 
 CASES = [("llama", True), ("llama", False), ("llama_rope_llama3", True), ("llama_rope_linear", False),

@@ -180,4 +180,8 @@ def test_metrics_count_requests_and_tokens(setup):
     assert after[("dspark_time_to_first_token_seconds_count", ())] > 0
     drafted = after[("dspark_spec_drafted_tokens_total", ())]
     assert (drafted > 0) == (mode == "dspark")
+    runner = {labels[0][1]: value for (name, labels), value in after.items()
+              if name == "dspark_runner_steps_total"}
+    assert runner["target_graph_steps"] >= 2             # the prefill and at least one more step
+    assert (runner.get("draft_graph_steps", 0) > 0) == (mode == "dspark")
     assert after[("dspark_kv_cache_free_blocks", ())] == after[("dspark_kv_cache_blocks", ())]

@@ -66,7 +66,7 @@ def test_greedy_lossless(tmp_path_factory, target_dir, reference, gamma, head, a
     stats = llm.engine.spec_stats
     assert stats.draft_rounds > 0 and stats.drafted_tokens == stats.draft_rounds * gamma
     assert stats.accepted_tokens <= stats.verified_tokens <= stats.drafted_tokens
-    draft_graphs = llm.engine.worker.draft_graphs
+    draft_graphs = llm.engine.worker.runner.draft_graphs
     assert draft_graphs.mode == graph and draft_graphs.stats.capture_fallbacks == 0
     assert sum(draft_graphs.stats.replays.values()) > 0 and draft_graphs.stats.eager_steps == 0
 
@@ -164,11 +164,13 @@ def test_greedy_lossless_in_bf16_through_the_fused_kernels(tmp_path_factory, tar
     for drafter_dir in (None, d):
         llm = LLM(target_dir, dtype="bfloat16", drafter=drafter_dir, block_size=4, max_model_len=256,
                   graph="eager", max_num_batched_tokens=64)
-        assert llm.engine.worker.model.fused_stack is not None
-        assert drafter_dir is None or llm.engine.drafter.fused_blocks is not None
+        runner = llm.engine.worker.runner
+        assert runner.fused is not None
+        assert drafter_dir is None or runner.fused_draft is not None
         if llm.engine.policy is not None:
             pin_flat_costs(llm.engine.policy)
         outs.append([llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)])
+        assert runner.stats().target_fused_steps > 0
         stats = llm.engine.spec_stats
     assert outs[1] == outs[0]
     assert stats.draft_rounds > 0 and stats.accepted_tokens > 0

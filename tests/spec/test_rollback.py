@@ -4,7 +4,7 @@ what a fresh prefill of the committed tokens writes, for the target and the draf
 import torch
 
 from dspark import LLM, SamplingParams
-from tiny import save_random_drafter, save_tiny
+from tiny import save_random_drafter, save_tiny, speculating
 
 
 def committed_kv(engine, seq, n):
@@ -22,7 +22,7 @@ def test_committed_kv_equals_fresh_prefill(tmp_path):
         return LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), block_size=4,
                    max_model_len=128, kv_cache_bytes=1 << 20, graph="eager")
 
-    spec = llm().engine
+    spec = speculating(llm()).engine        # a cost table measured here could decline to draft
     rid = spec.add_request([3, 9, 4, 7, 11], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     for _ in range(8):
         spec.step()
@@ -56,7 +56,7 @@ def test_cli_generate_with_drafter_prints_stats(tmp_path, capsys):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "t" / "tokenizer.json"))
     main(["generate", "--model", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"), "--dtype", "float32",
-          "--graph", "eager",
+          "--graph", "eager", "--spec-schedule", "verify-all",     # drafts whatever this machine measures
           "--prompt", "w3 w9 w4", "--max-tokens", "12", "--ignore-eos", "--stats"])
     err = capsys.readouterr().err
     assert "[12 tokens" in err and "[all] rounds" in err and "per-position acceptance [" in err

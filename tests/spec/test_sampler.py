@@ -167,3 +167,36 @@ def test_unseeded_noise_is_the_global_generators_exponential_bit_for_bit():
         torch.manual_seed(9)
         got = global_exponentials(shape, torch.device("cpu"))
         assert torch.equal(got, want) and torch.equal(torch.rand(2), want_next)
+
+
+def test_a_cpu_request_generator_is_the_one_seeded_requests_always_had():
+    from dspark.spec.sampler import request_generator
+    cpu = torch.device("cpu")
+    gen = request_generator(11, cpu)
+    assert gen.device.type == "cpu" and torch.equal(gen.get_state(), torch.Generator().manual_seed(11).get_state())
+    p = SamplingParams(temperature=1.0, top_k=40)
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(0))
+    new = sample(logits, tensors([p, p], [request_generator(11, cpu), request_generator(12, cpu)], vocab=300))
+    old = sample(logits, tensors([p, p], [torch.Generator().manual_seed(11), torch.Generator().manual_seed(12)],
+                                 vocab=300))
+    assert torch.equal(new, old)
+
+
+@pytest.mark.cuda
+def test_a_gpu_request_generator_draws_its_noise_on_the_gpu():
+    from dspark.spec.sampler import exponential_noise, request_generator
+    if not torch.cuda.is_available():
+        pytest.fail("the cuda tests need an NVIDIA GPU (deselect them with -m 'not cuda')")
+    device = torch.device("cuda")
+    gens = [request_generator(5, device), None, request_generator(6, device)]
+    assert all(g is None or g.device.type == "cuda" for g in gens)
+    noise = exponential_noise((3, 1000), gens, device)
+    again = exponential_noise((3, 1000), [request_generator(5, device), None, request_generator(6, device)], device)
+    assert noise.device.type == "cuda" and torch.equal(noise[0], again[0]) and torch.equal(noise[2], again[2])
+    assert bool((noise > 0).all())
+    p = SamplingParams(temperature=1.0, seed=5)
+    logits = torch.randn(1, 1000, device=device)
+    st = SamplingTensors.build([p], [request_generator(5, device)], 1000, device)
+    token = sample(logits, st)
+    assert token.device.type == "cuda"
+    assert torch.equal(token, sample(logits, SamplingTensors.build([p], [request_generator(5, device)], 1000, device)))

@@ -8,7 +8,7 @@ from dspark.models.drafter_loader import load_drafter
 from dspark.models.loader import load_target
 from dspark.spec.draft import append_context
 from dspark.worker.deferred_context import DeferredContext, _last_writes
-from dspark.worker.kv_cache import allocate_kv_cache
+from dspark.models.kv_cache import allocate_kv_cache
 from tiny import save_random_drafter, save_tiny
 
 
@@ -26,6 +26,11 @@ def _steps(drafter, g):
     specs = [([0, 1, 2], None, [4, 5, 6]), ([7, 8], [1], [9]), ([0, 3], None, [5, 12])]
     return [(torch.randn(len(pos), width, generator=g), torch.tensor(pos),
              None if rows is None else torch.tensor(rows), torch.tensor(slots)) for pos, rows, slots in specs]
+
+
+def _into(drafter, kv):
+    """The append a worker hands the deferred context: into the drafter's cache `kv`."""
+    return lambda *args: append_context(drafter, kv, *args)
 
 
 def _caches(drafter):
@@ -46,7 +51,7 @@ def test_held_steps_append_what_step_by_step_appends_write(tmp_path):
         assert deferred.num_rows == 6                          # the rows that store K/V
         for (k, v), (k0, v0) in zip(held, before):             # nothing written while held
             assert torch.equal(k, k0) and torch.equal(v, v0)
-        assert deferred.flush(drafter, held) == 5              # slot 5 written twice: once
+        assert deferred.flush(_into(drafter, held)) == 5              # slot 5 written twice: once
     assert deferred.num_rows == 0 and deferred.flushes == 1 and deferred.deferred_steps == 3
     for (k, v), (rk, rv) in zip(held, reference):
         assert torch.allclose(k, rk, atol=1e-6) and torch.allclose(v, rv, atol=1e-6)
@@ -66,7 +71,7 @@ def test_rows_of_a_block_released_after_them_are_dropped_and_a_reused_block_keep
                 deferred.release([1])
             deferred.hold(aux, pos, rows, slots)
         deferred.release([3])                                  # slot 12: released after its row
-        assert deferred.flush(drafter, held) == 2              # slots 9 and 5 (the new owner's)
+        assert deferred.flush(_into(drafter, held)) == 2              # slots 9 and 5 (the new owner's)
         assert deferred.dropped_rows == 4                      # 4, 5, 6 of the first step; 12
         aux, pos, rows, slots = steps[1]
         append_context(drafter, reference, aux, pos, rows, slots)
@@ -90,10 +95,10 @@ def test_a_full_hold_drops_released_rows_first_and_appends_only_when_live_rows_f
         with pytest.raises(ValueError, match="make room first"):
             deferred.hold(one, torch.arange(1), None, torch.arange(1))
         deferred.release([0])
-        deferred.make_room(drafter, held)                      # all four released: dropped
+        deferred.make_room(_into(drafter, held))                      # all four released: dropped
         assert deferred.num_rows == 0 and deferred.flushes == 0 and deferred.dropped_rows == 4
         deferred.hold(torch.randn(3, width, generator=g), torch.arange(3), None, torch.arange(8, 11))
-        deferred.make_room(drafter, held)                      # 3 live rows of 4: appended
+        deferred.make_room(_into(drafter, held))                      # 3 live rows of 4: appended
         assert deferred.num_rows == 0 and deferred.flushes == 1
     k = held[0][0]
     assert not torch.equal(k[8], torch.zeros_like(k[8])) and torch.equal(k[0], torch.zeros_like(k[0]))
@@ -112,7 +117,7 @@ def test_the_buffer_grows_by_doubling_and_keeps_the_held_rows(tmp_path):
         big = torch.randn(5, width)
         deferred.hold(big, torch.arange(5), None, torch.arange(10, 15))
         assert deferred.aux.shape[0] == 512 and deferred.num_rows == 305
-        deferred.flush(drafter, held)
+        deferred.flush(_into(drafter, held))
         aux, pos, rows, slots = steps[0]
         append_context(drafter, reference, aux, pos, rows, slots)
         append_context(drafter, reference, big, torch.arange(5), None, torch.arange(10, 15))

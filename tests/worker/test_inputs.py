@@ -101,7 +101,7 @@ def test_verify_blocks_beside_a_prefill_chunk_are_not_padded_to_it():
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_bf16_verify_and_decode_rows_read_their_keys_in_place_also_after_trimming(window):
-    from dspark.models.layers import cpu_kernels
+    from dspark.kernels import cpu as cpu_kernels
     from dspark.models.layers.attention import paged_attention
     if not cpu_kernels.available():
         pytest.skip("needs AVX512-BF16 and a C++ compiler")
@@ -159,3 +159,52 @@ def test_slots_and_token_keys_follow_the_tensor_formulas():
             local[:, 0] = torch.unique_consecutive(keys[r][:, 0], return_inverse=True)[1]
             assert torch.equal(meta.token_keys, local)
         assert inp.attn.parts is not None                     # a long chunk beside decode rows
+
+
+def test_packed_fields_come_back_equal():
+    """The one-copy layout: tensors of every dtype and shape a step holds, packed into one byte
+    buffer and viewed back out of it (as the device's copy of it is read)."""
+    from dspark.worker.inputs import PACK_ALIGN, pack, unpack
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(-9, 9, (5,), generator=g), torch.zeros(0, dtype=torch.long),
+               torch.randint(0, 9, (3, 4), generator=g, dtype=torch.int32), torch.rand(2, 1, 3, 5, generator=g) > 0.5,
+               torch.tensor(7), torch.zeros(0, 3, dtype=torch.long), torch.arange(3, dtype=torch.uint8),
+               torch.rand(3, generator=g), torch.rand(2, 2, generator=g).bfloat16()]
+    buffer, fields = pack(tensors, pin=False)
+    assert buffer.dtype == torch.uint8 and buffer.dim() == 1
+    assert all(f.offset % PACK_ALIGN == 0 for f in fields)
+    back = unpack(buffer.clone(), fields)
+    assert [t.dtype for t in back] == [t.dtype for t in tensors]
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors))
+
+
+def test_a_step_moved_in_one_copy_equals_the_host_step():
+    """What a CUDA step gets (every tensor of StepInputs, the attention parts and the
+    variable-length metadata included, through one packed buffer) equals what was built."""
+    from dspark.worker.inputs import map_tensors, to_device
+    chunks = [RequestChunk([1], 13, [3, 8, 2, 9], 1), RequestChunk([1] * 8, 5, [4, 7, 6], 8),
+              RequestChunk([1] * 17, 0, [5, -1, 11, 12, 13], 1), RequestChunk([1], 0, [10], 1)]
+    host = build_inputs(chunks, 4, torch.device("cpu"), 6, varlen=True)
+    assert host.attn.parts is not None and host.attn.varlen is not None and host.attn.write_rows is not None
+    moved = to_device(host, torch.device("cpu"), pin=False)
+
+    def tensors(obj):
+        found = []
+        map_tensors(obj, lambda t: found.append(t) or t)
+        return found
+
+    before, after = tensors(host), tensors(moved)
+    assert len(before) == len(after) >= 15
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(before, after))
+    assert len({t.untyped_storage().data_ptr() for t in after}) == 1            # one buffer
+    assert moved.attn.max_q == host.attn.max_q and moved.attn.varlen.max_k == host.attn.varlen.max_k
+
+
+def test_varlen_metadata_packs_each_requests_keys_in_order():
+    chunks = [RequestChunk([1] * 3, 5, [4, 7, 6], 3), RequestChunk([1], 0, [-1], 1),
+              RequestChunk([1] * 9, 0, [2, 3, 9], 1)]
+    meta = build_inputs(chunks, 4, torch.device("cpu"), varlen=True).attn.varlen
+    assert meta.cu_seq_q.tolist() == [0, 3, 4, 13] and meta.cu_seq_k.tolist() == [0, 8, 9, 18]
+    assert (meta.max_q, meta.max_k, meta.block_table) == (9, 9, None)
+    expected = [16, 17, 18, 19, 28, 29, 30, 31] + [0] + [8, 9, 10, 11, 12, 13, 14, 15, 36]   # a dummy: block 0
+    assert meta.kv_index.dtype == torch.int32 and meta.kv_index.tolist() == expected

@@ -74,20 +74,20 @@ def test_draft_cost_includes_the_context_append(tmp_path, monkeypatch):
     context, which a plain step does not: the draft cost carries it, once per timed call, with
     the rows of every request."""
     import time
-    import dspark.worker.profile as profile
     save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=1)
     save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, seed=2)
     llm = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), max_model_len=128,
               graph="eager")
     appended = []
-    real = profile.append_context
+    runner = llm.engine.worker.runner
+    real = runner.append_context
 
-    def slow_append(drafter, kv, aux_hidden, positions, write_rows, write_slots):
+    def slow_append(kv, aux_hidden, positions, write_rows, write_slots):
         appended.append(aux_hidden.shape[0])
         time.sleep(0.03)
-        real(drafter, kv, aux_hidden, positions, write_rows, write_slots)
+        real(kv, aux_hidden, positions, write_rows, write_slots)
 
-    monkeypatch.setattr(profile, "append_context", slow_append)
+    monkeypatch.setattr(runner, "append_context", slow_append)
     table = llm.engine.profile(ProfileConfig(max_tokens=4, max_requests=2, context_len=8,
                                              repeats=1, warmup=0))
     assert sorted(set(appended)) == [4, 8] and len(appended) == 2        # none from the verify timings

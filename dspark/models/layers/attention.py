@@ -5,7 +5,9 @@ qo_indptr[r]:qo_indptr[r+1]).  Each layer writes its new K/V through the slot ma
 every request's context from its pages into a padded [R, L] view and runs one masked SDPA call.
 The metadata is built once per step on the host and shared by all layers. bf16 steps of short
 queries (decode and verify rows) on CPUs with AVX512-BF16 skip the gather: dspark's kernel reads
-each token's keys in place (cpu_kernels.paged_attention, from `token_keys`).
+each token's keys in place (cpu_kernels.paged_attention, from `token_keys`). On CUDA, bf16 and
+fp16 steps skip the padding and the mask: FlashAttention's variable-length kernel takes the
+ragged rows as they are (varlen_attention.py, from `varlen`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dspark.models.layers import cpu_kernels
+from dspark.kernels import cpu as cpu_kernels
+from dspark.models.layers import varlen_attention as varlen
+from dspark.models.layers.varlen_attention import VarlenMetadata
 
 
 @dataclass
@@ -34,6 +38,7 @@ class AttentionMetadata:
     num_tokens: int | None = None         # live rows; rows past them are bucket padding (None: all)
     parts: tuple["AttentionPart", ...] | None = None   # a mixed step attended group by group
     token_keys: torch.Tensor | None = None  # [T, 3] each token's request, first key and end key
+    varlen: VarlenMetadata | None = None  # the step for FlashAttention's variable-length kernel
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
@@ -42,7 +47,8 @@ class AttentionMetadata:
         return dataclasses.replace(
             self, write_rows=move(self.write_rows), write_slots=move(self.write_slots),
             block_tables=move(self.block_tables), q_index=move(self.q_index), mask=move(self.mask),
-            parts=parts, token_keys=move(self.token_keys))
+            parts=parts, token_keys=move(self.token_keys),
+            varlen=None if self.varlen is None else self.varlen.to(device))
 
 
 @dataclass
@@ -114,6 +120,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D] -> out [T, H*D]; the new K/V must already be in the cache."""
     t, h, d = q.shape
+    if meta.varlen is not None:
+        reason = varlen.refusal(q, k_cache, meta.varlen)
+        if reason is None:
+            return varlen.varlen_attention(q, k_cache, v_cache, meta.varlen, scale)
+        varlen.note_fallback(reason)
     if meta.parts is not None:
         out = q.new_empty(t, h * d)
         for part in meta.parts:

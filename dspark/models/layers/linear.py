@@ -13,7 +13,7 @@ its own tile-by-tile copy of the weight, kept beside the oneDNN copy on CPUs wit
 With AMX it takes up to 64 rows, over all of which its weight stream stays ahead of oneDNN's;
 without, its dot products take up to 16 rows: ahead of oneDNN at a few rows, about level at 16,
 slower past it on the wide LM heads (docs/measurements.md; a fused layer's own projections take
-up to 64, fused_stack.py).
+up to 64, runner/fused_cpu.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.models.layers import cpu_kernels
+from dspark.kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
 
