@@ -10,17 +10,11 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 import pytest  # noqa: E402
 
 from dspark.kernels import cpu as cpu_kernels  # noqa: E402
+from kernel_paths import KERNEL_PATHS  # noqa: E402
 from tiny import share_kernels  # noqa: E402
 
 pytest_plugins = ["cuda_selection",      # `cuda` tests: deselected by default without a GPU
                   "pytester"]            # (tested with pytester, enabled here: the top conftest)
-
-# The arithmetic of dspark's CPU kernels: AVX512-BF16 dot products, or AMX tiles where the CPU has them.
-PATH_MARKS = {
-    False: pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX512-BF16 and a C++ compiler"),
-    True: pytest.mark.skipif(not cpu_kernels.tiles_available(), reason="needs AMX and a C++ compiler"),
-}
-KERNEL_PATHS = [pytest.param(amx, marks=PATH_MARKS[amx], id="amx" if amx else "vector") for amx in (False, True)]
 
 
 @pytest.fixture(params=KERNEL_PATHS)

@@ -222,27 +222,27 @@ def row_slots(meta: AttentionMetadata, live: int) -> Tensor:
 def fuse_draft_blocks(drafter: "Drafter") -> "FusedDraftStack | None":
     """A packed bf16 drafter's FusedDraftStack where the kernels run and its projections qualify
     (tile copies, no biases); None otherwise."""
-    cfg = drafter.config
-    if drafter.norm.weight.device.type != "cpu" or not cpu_kernels.available() \
-            or cfg.num_heads // cfg.num_kv_heads > cpu_kernels.MAX_GROUP or cfg.head_dim > cpu_kernels.MAX_HEAD_DIM:
-        return None
-    layers = [_fused_draft_layer(layer) for layer in drafter.layers]
-    if any(layer is None for layer in layers):
-        return None
-    return FusedDraftStack(cfg, layers, drafter.layers[0].mlp.down_proj.amx)   # as packed
+    return _fused(drafter, drafter.layers, _fused_draft_layer, FusedDraftStack)
 
 
 def fuse_small_steps(model: "CausalLM") -> "FusedStack | None":
     """A packed bf16 target's FusedStack where the kernels run: every projection has its tile
     copy (pack_for_inference on an AVX512-BF16 CPU) and the norms are bf16; None otherwise."""
-    cfg = model.config
-    if model.embed_tokens.weight.device.type != "cpu" or not cpu_kernels.available() \
-            or cfg.num_heads // cfg.num_kv_heads > cpu_kernels.MAX_GROUP or cfg.head_dim > cpu_kernels.MAX_HEAD_DIM:
+    return _fused(model, model.layers, _fused_layer, FusedStack)
+
+
+def _fused(module, layers, fuse_layer, stack):
+    """`stack` over every layer fused, or None: off the CPU (no x86 kernel is built there),
+    without the kernels, past their head limits, or with a layer that does not qualify."""
+    cfg = module.config
+    on_cpu = next(module.parameters()).device.type == "cpu"
+    if not on_cpu or not cpu_kernels.available() or cfg.num_heads // cfg.num_kv_heads > cpu_kernels.MAX_GROUP \
+            or cfg.head_dim > cpu_kernels.MAX_HEAD_DIM:
         return None
-    layers = [_fused_layer(layer) for layer in model.layers]
-    if any(layer is None for layer in layers):
+    fused = [fuse_layer(layer) for layer in layers]
+    if any(layer is None for layer in fused):
         return None
-    return FusedStack(model.config, layers, model.layers[0].mlp.down_proj.amx)   # as packed
+    return stack(cfg, fused, layers[0].mlp.down_proj.amx)   # as packed
 
 
 __all__ = ["FusedDraftStack", "FusedLayer", "FusedStack", "fuse_draft_blocks", "fuse_small_steps", "row_slots",

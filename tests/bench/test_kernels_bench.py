@@ -4,7 +4,7 @@ import json
 
 from dspark.bench.kernels import Shapes, bench_kernels
 from dspark.kernels import fake
-from conftest import PATH_MARKS
+from kernel_paths import PATH_MARKS
 
 TINY = Shapes(hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=96, vocab=256, draft_vocab=128,
               markov_rank=16, gamma=3, context=24, block_size=4, rows=(1, 3))

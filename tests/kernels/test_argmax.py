@@ -3,7 +3,7 @@
 import torch
 
 from dspark.kernels import cpu as kernels
-from conftest import PATH_MARKS
+from kernel_paths import PATH_MARKS
 
 
 @PATH_MARKS[False]

@@ -6,7 +6,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark.kernels import cpu as kernels
-from conftest import KERNEL_PATHS, PATH_MARKS
+from kernel_paths import KERNEL_PATHS, PATH_MARKS
 from kernel_inputs import BF16, paged
 
 needs_kernels = PATH_MARKS[False]

@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from dspark.kernels import fake
-from conftest import PATH_MARKS
+from kernel_paths import PATH_MARKS
 from kernel_inputs import BF16, Layer, attention_args, context_kv_args, decoder_layer_args, linear_args, markov_args
 
 pytestmark = PATH_MARKS[False]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dspark.kernels import cpu as kernels
-from conftest import PATH_MARKS
+from kernel_paths import PATH_MARKS
 from kernel_inputs import BF16, paged
 
 needs_kernels = PATH_MARKS[False]

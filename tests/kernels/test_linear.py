@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 from dspark.kernels import cpu as kernels
 from dspark.models.layers.linear import Linear, linear, pack_for_inference, pack_linears
 from dspark.models.loader import load_target
-from conftest import PATH_MARKS
+from kernel_paths import PATH_MARKS
 from tiny import save_tiny
 
 BF16 = torch.bfloat16
