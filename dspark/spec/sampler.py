@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.host_copy import device_tensor
 from dspark.kernels.cpu import greedy_tokens
 from dspark.sampling_params import SamplingParams
 
@@ -34,7 +35,7 @@ class SamplingTensors:
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
               vocab_size: int, device: torch.device) -> "SamplingTensors":
         greedy = [p.greedy for p in params]
-        t = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device, non_blocking=True)  # noqa: E731
+        t = lambda xs, dt: device_tensor(xs, dt, device)  # noqa: E731
         use_k = any(p.top_k > 0 and not p.greedy for p in params)
         use_p = any(p.top_p < 1 and not p.greedy for p in params)
         use_min_p = any(p.min_p > 0 and not p.greedy for p in params)
@@ -54,7 +55,7 @@ class SamplingTensors:
         """The parameters of a subset of rows (e.g. the speculative requests of a mixed step)."""
         if rows == list(range(len(self.generators))):
             return self
-        index = torch.tensor(rows, device=self.temperature.device)
+        index = device_tensor(rows, torch.long, self.temperature.device)
         pick = lambda x: None if x is None else x.index_select(0, index)  # noqa: E731
         greedy = pick(self.greedy)
         return SamplingTensors(temperature=pick(self.temperature), top_k=pick(self.top_k),

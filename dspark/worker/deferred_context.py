@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from dspark.host_copy import device_tensor
+
 # (aux_hidden [T, m*d_t], positions [T], write_rows [W] or None, write_slots [W]): the drafter's
 # context append (Runner.append_context over the drafter's cache)
 Append = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
@@ -80,7 +82,7 @@ class DeferredContext:
     def release(self, blocks: list[int] | None) -> None:
         """KV blocks freed since the last step: the rows held for them are not worth appending."""
         if blocks:
-            self.released_at[torch.tensor(blocks, device=self.device)] = self.holds
+            self.released_at[device_tensor(blocks, torch.long, self.device)] = self.holds
 
     def make_room(self, append: Append) -> None:
         """Drop the rows of released blocks; append the rest if they still fill half the room."""

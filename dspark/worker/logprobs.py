@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.host_copy import device_tensor
 from dspark.outputs import TokenLogprobs
 from dspark.worker.inputs import RequestChunk
 
@@ -55,7 +56,7 @@ def split_logits(logits: torch.Tensor, chunks: list[RequestChunk]
         row += len(c.prompt_rows)
         sampled += range(row, row + c.num_logits)
         row += c.num_logits
-    index = lambda rows: torch.tensor(rows, dtype=torch.long, device=logits.device)  # noqa: E731
+    index = lambda rows: device_tensor(rows, torch.long, logits.device)  # noqa: E731
     return logits.index_select(0, index(sampled)), logits.index_select(0, index(prompt))
 
 
@@ -97,7 +98,7 @@ class LogprobCollector:
         row = 0
         for w in wanted:
             n = len(w.next_tokens)
-            tokens = torch.tensor(w.next_tokens, dtype=torch.long).to(logits.device, non_blocking=True)
+            tokens = device_tensor(w.next_tokens, torch.long, logits.device)
             self.add(logits[row:row + n], tokens, [w.chunk], [w.top], prompt=True)
             row += n
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.host_copy import device_tensor
 from dspark.sampling_params import ParamError, SamplingParams
 
 
@@ -81,7 +82,7 @@ def apply_penalties(logits: torch.Tensor, histories: list[TokenHistory | None],
     v = logits.shape[-1]
     plan = _plan(histories, params, num_rows, spec, v, drafts.shape[1] if drafts is not None else 0)
     dev = logits.device
-    to = lambda xs, dt=torch.long: torch.tensor(xs, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
+    to = lambda xs, dt=torch.long: device_tensor(xs, dt, dev)  # noqa: E731
     owner = to(plan.owner)                                                         # [P]
     counts = _scatter_counts(len(plan.repetition), v, to(plan.counts), dev)[owner]  # [P, V]
     if plan.draft_rows:
@@ -118,9 +119,9 @@ def _repetition(x: torch.Tensor, counts: torch.Tensor, plan: _Rows, owner: torch
     dev = x.device
     seen = torch.zeros(len(plan.repetition) * v, dtype=torch.bool, device=dev)
     if plan.prompt:
-        seen[torch.tensor(plan.prompt, dtype=torch.long).to(dev, non_blocking=True)] = True
+        seen[device_tensor(plan.prompt, torch.long, dev)] = True
     seen = seen.view(-1, v)[owner] | (counts > 0)                                    # [P, V]
-    penalty = torch.tensor(plan.repetition, dtype=torch.float32).to(dev, non_blocking=True)[owner, None]
+    penalty = device_tensor(plan.repetition, torch.float32, dev)[owner, None]
     return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
 
 

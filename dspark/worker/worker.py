@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from dspark.host_copy import device_tensor
 from dspark.kernels.cpu import greedy_tokens
 from dspark.models.drafter import Drafter
 from dspark.models.kv_cache import allocate_kv_cache
@@ -80,7 +81,7 @@ class Worker:
         and metadata for rows that are never read."""
         sampling = batch.sampling
         caps = [len(sampling[i].token_ids) - 1 for i in blocks]
-        cap_tensor = torch.tensor(caps, device=self.device)
+        cap_tensor = device_tensor(caps, torch.long, self.device)
         if batch.verify_budget is None or batch.verify_budget >= sum(caps):
             return batch, cap_tensor
         lens = allocate(self._survival(proposal, cap_tensor), batch.verify_budget)
@@ -147,11 +148,11 @@ class Worker:
                request_ids: list[str] | None = None, key: StepKey | None = None) -> DraftProposal:
         """The drafter over the speculative requests (Runner.draft)."""
         chunks = [sampling[i] for i in spec_idx]
-        anchors = torch.tensor([c.token_ids[0] for c in chunks], device=self.device)
-        starts = torch.tensor([c.start for c in chunks], device=self.device)
+        anchors = device_tensor([c.token_ids[0] for c in chunks], torch.long, self.device)
+        starts = device_tensor([c.start for c in chunks], torch.long, self.device)
         width = max(len(c.block_table) for c in chunks)
-        tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks],
-                              device=self.device)
+        tables = device_tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks],
+                               torch.long, self.device)
         return self.runner.draft(self.draft_kv, anchors, starts, tables, st.select(spec_idx), request_ids, key)
 
     def _place_drafts(self, inputs: StepInputs, layout: StepLayout, drafts: torch.Tensor) -> None:
@@ -160,8 +161,8 @@ class Worker:
         if rows:
             gamma = drafts.shape[1]
             src = [j * gamma + k for j, i in enumerate(layout.blocks) for k in range(layout.num_rows[i] - 1)]
-            index = torch.tensor(rows, device=self.device)
-            inputs.input_ids.index_copy_(0, index, drafts.flatten()[torch.tensor(src, device=self.device)])
+            index = device_tensor(rows, torch.long, self.device)
+            inputs.input_ids.index_copy_(0, index, drafts.flatten()[device_tensor(src, torch.long, self.device)])
 
     def _accept(self, logits: torch.Tensor, batch: WorkerBatch, layout: StepLayout,
                 proposal: DraftProposal | None, st: SamplingTensors, lens: torch.Tensor | None) -> StepResult:
@@ -176,12 +177,12 @@ class Worker:
             wanted.add_prompt(prompt_logits, batch.prompt_logprobs)
         out: dict[str, torch.Tensor] = {}
         if layout.plain:
-            last = torch.tensor(layout.last_rows(), device=self.device)
+            last = device_tensor(layout.last_rows(), torch.long, self.device)
             out["plain"] = sample(logits[last], st.select(layout.plain))                 # [P]
             self._want(wanted, batch.params, layout.plain, raw, last, out["plain"])
         if layout.blocks:
             width = proposal.tokens.shape[1] + 1
-            block_rows = torch.tensor(layout.block_rows(width), device=self.device)      # [R, γ+1]
+            block_rows = device_tensor(layout.block_rows(width), torch.long, self.device)   # [R, γ+1]
             spec_st = st.select(layout.blocks)
             if spec_st.all_greedy:
                 res = accept_greedy(greedy_tokens(logits)[block_rows], lens, proposal)
@@ -206,7 +207,7 @@ class Worker:
         asking = [j for j, i in enumerate(chunks) if params[i].logprobs is not None]
         if not asking:
             return
-        pick = torch.tensor(asking, device=logits.device)
+        pick = device_tensor(asking, torch.long, logits.device)
         wanted.add(logits[rows.index_select(0, pick).flatten()], tokens.index_select(0, pick).flatten(),
                    [chunks[j] for j in asking], [params[chunks[j]].logprobs for j in asking])
 

@@ -164,7 +164,7 @@ def test_slots_and_token_keys_follow_the_tensor_formulas():
 def test_packed_fields_come_back_equal():
     """The one-copy layout: tensors of every dtype and shape a step holds, packed into one byte
     buffer and viewed back out of it (as the device's copy of it is read)."""
-    from dspark.worker.inputs import PACK_ALIGN, pack, unpack
+    from dspark.host_copy import PACK_ALIGN, pack, unpack
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randint(-9, 9, (5,), generator=g), torch.zeros(0, dtype=torch.long),
                torch.randint(0, 9, (3, 4), generator=g, dtype=torch.int32), torch.rand(2, 1, 3, 5, generator=g) > 0.5,
@@ -181,7 +181,7 @@ def test_packed_fields_come_back_equal():
 def test_a_step_moved_in_one_copy_equals_the_host_step():
     """What a CUDA step gets (every tensor of StepInputs, the attention parts and the
     variable-length metadata included, through one packed buffer) equals what was built."""
-    from dspark.worker.inputs import map_tensors, to_device
+    from dspark.host_copy import map_tensors, to_device
     chunks = [RequestChunk([1], 13, [3, 8, 2, 9], 1), RequestChunk([1] * 8, 5, [4, 7, 6], 8),
               RequestChunk([1] * 17, 0, [5, -1, 11, 12, 13], 1), RequestChunk([1], 0, [10], 1)]
     host = build_inputs(chunks, 4, torch.device("cpu"), 6, varlen=True)
