@@ -90,8 +90,9 @@ def candidate_probs(logits: torch.Tensor, st: SamplingTensors
                     ) -> tuple[torch.Tensor, torch.Tensor, list[bool]] | None:
     """`processed_probs` restricted to each row's top CANDIDATES tokens: (probs [N, K], their
     token ids [N, K], whether each row's top-k / top-p kept set lies inside them). Rows that fit
-    sample from K noise values instead of V; None when no row is truncated or V <= K."""
-    if st.top_k is None and st.top_p is None:
+    sample from K noise values instead of V; None when no row is truncated or V <= K, and on a
+    GPU, where the full sort is cheap and deciding whether rows fit would wait for the device."""
+    if (st.top_k is None and st.top_p is None) or logits.device.type == "cuda":
         return None
     truncated = _candidate_truncation(logits / st.temperature[:, None], st.top_k, st.top_p, st.greedy)
     if truncated is None:
@@ -117,8 +118,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     Sorting the whole vocabulary for every row dominates a sampled decode step, so the top
     CANDIDATES logits are examined first: when every row's kept set ends inside them (top-k
     within them and the top-p mass reached), the result is exact; otherwise the full sort runs.
+    A GPU sorts at once: asking whether the candidates suffice would wait for the device.
     """
-    truncated = _candidate_truncation(logits, top_k, top_p)
+    truncated = None if logits.device.type == "cuda" else _candidate_truncation(logits, top_k, top_p)
     if truncated is not None and bool(truncated[2].all()):
         cand, index, _ = truncated
         return torch.full_like(logits, float("-inf")).scatter_(-1, index, cand)
