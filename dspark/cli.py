@@ -225,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=256, help="training prompts to count answers of")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default=None, help="choose from every response token of these "
+                   "training data shards (`train-draft --generate-data`) instead of greedy answers")
     p.set_defaults(func=cmd_prune_vocab)
 
     p = sub.add_parser("bench", help="benchmarks (see dspark/bench)")

@@ -26,3 +26,27 @@ CODE = [
 def bench_prompts(n: int) -> list[str]:
     pool = [p for pair in zip(CHAT, CODE) for p in pair]
     return [pool[i % len(pool)] for i in range(n)]
+
+
+def file_prompts(data: str | None, tokenizer, limit: int) -> dict[str, list[list[int]]] | None:
+    """`--data ood` (the shipped out-of-distribution set, docs/training_data.md) or a .jsonl of
+    {"kind", "text"} lines: {"chat", "code": [prompt ids]}, chat kinds through the chat template,
+    `code_raw` as is. None when `data` is a training-data folder."""
+    import json
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "ood_prompts.jsonl") \
+        if data == "ood" else data
+    if path is None or not path.endswith(".jsonl"):
+        return None
+    out: dict[str, list[list[int]]] = {"chat": [], "code": []}
+    with open(path) as f:
+        for row in map(json.loads, filter(str.strip, f)):
+            kind = "chat" if row["kind"] == "chat" else "code"
+            if len(out[kind]) >= limit:
+                continue
+            if row["kind"] == "code_raw":
+                out[kind].append(tokenizer.encode(row["text"]))
+            else:
+                text = tokenizer.apply_chat_template([{"role": "user", "content": row["text"]}])
+                out[kind].append(tokenizer.encode(text, add_special_tokens=False))
+    return out

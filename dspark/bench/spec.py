@@ -35,7 +35,9 @@ def run_spec_bench(args) -> None:
     spec = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter)
     if spec.engine.drafter is None:
         raise SystemExit("bench --mode spec compares against a drafter: pass --drafter for this model")
-    kinds = args.prompt_source(args.data, plain.tokenizer, args.num_prompts)
+    from dspark.bench.prompts import file_prompts
+    kinds = (file_prompts(args.data, plain.tokenizer, args.num_prompts)
+             or args.prompt_source(args.data, plain.tokenizer, args.num_prompts))
     for llm in (plain, spec):
         llm.generate([kinds["code"][0]], SamplingParams(temperature=0, max_tokens=8))      # warm-up
     temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]

@@ -15,6 +15,7 @@ from collections import Counter
 from dspark.models.gguf import default_model_path
 from dspark.train.data import MANIFEST, load_samples
 from dspark.train.plot import read_log
+from dspark.train.schedule import describe_schedule
 
 CURVES = "training_curves.png"
 
@@ -82,7 +83,7 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
         "## Data", "", *_data_section(cfg.train_data_paths, cfg.max_seq_len, cfg.min_loss_tokens), "",
         "## Training", "",
         f"`dspark train-draft`: {steps} steps of {cfg.batch_size} sequences × {cfg.anchors_per_seq} "
-        f"anchor blocks, AdamW lr {cfg.lr} (warm-up {cfg.warmup_fraction:.0%}, cosine), grad clip "
+        f"anchor blocks, AdamW lr {cfg.lr} ({describe_schedule(cfg)}), grad clip "
         f"{cfg.grad_clip}, {'bf16 autocast' if cfg.bf16 else 'fp32'}, loss {cfg.loss.ce} CE + {cfg.loss.l1} L1 + "
         f"{cfg.loss.conf} BCE with position weights exp(−k/{cfg.loss.decay:g}); "
         f"{seconds / 3600:.1f} h of step time on a 2-core CPU.", ""]

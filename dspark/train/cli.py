@@ -2,6 +2,7 @@
 
     dspark train-draft --out runs/smollm2 --generate-data --num-prompts 4000
     dspark train-draft --out runs/smollm2 --steps 3000            # trains; rerun to resume
+    dspark train-draft --out runs/smollm2 --resume --steps 5000 --extra-data-dir runs/more/data
     dspark train-draft --out runs/smollm2 --export dspark/assets/smollm2-135m-instruct-dspark --plot
 
 Actions run in the order generate -> train -> plot -> export (with its model card); with none of them given, the
@@ -37,12 +38,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     act = p.add_argument_group("actions (generate, train, plot, export; default: --train)")
     act.add_argument("--generate-data", action="store_true", help="generate the target's responses")
     act.add_argument("--train", action="store_true", help="train (continues from <out>/checkpoint.pt)")
-    act.add_argument("--resume", action="store_true", help="train, and fail if there is no checkpoint")
+    act.add_argument("--resume", action="store_true",
+                     help="train, and fail if there is no checkpoint; with more --steps or another "
+                          "--extra-data-dir the run goes on with its optimiser state, its place in "
+                          "the schedule and the epoch (extend before the decay starts)")
     act.add_argument("--export", metavar="PATH", default=None, help="write the speculators format")
     act.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     act.add_argument("--plot", action="store_true", help="write <out>/training_curves.png")
     gen = p.add_argument_group("data generation")
     gen.add_argument("--num-prompts", type=int, default=4000)
+    gen.add_argument("--prompt-source", choices=["local", "self"], default="local",
+                     help="local: standard-library code and handwritten topics; self: user turns "
+                          "the target writes itself (single and multi-turn) and the code of "
+                          "installed packages (docs/training_data.md)")
     gen.add_argument("--max-tokens", type=int, default=192, help="response length cap")
     gen.add_argument("--temperature", type=float, default=0.2,
                      help="the target's recommended sampling (SmolLM2: 0.2, top-p 0.9)")
@@ -59,6 +67,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         tr.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
     tr.add_argument("--markov-type", dest="markov_head_type", default=None,
                     choices=["vanilla", "gated", "rnn"])
+    tr.add_argument("--schedule", default=None, choices=["wsd", "cosine"],
+                    help="learning-rate schedule: wsd (warm-up, constant, decay over the last "
+                         "--decay of the steps; the default) or cosine")
     tr.add_argument("--target-layer-ids", default=None,
                     help="comma-separated target layer outputs (default: 5 spread, not the last)")
     tr.add_argument("--init-from", default=None, metavar="DRAFTER",
@@ -77,15 +88,19 @@ TRAIN_FLAGS = (
     ("--steps", "steps", int, "optimiser steps (2000)"),
     ("--batch-size", "batch_size", int, "sequences per step (4)"),
     ("--anchors", "anchors_per_seq", int, "blocks per sequence (32)"),
+    ("--draft-vocab", "draft_vocab_size", int,
+     "train in a reduced draft vocabulary of this many tokens, the data's most frequent (default: all)"),
     ("--lr", "lr", float, "peak learning rate (6e-4)"),
-    ("--warmup", "warmup_fraction", float, "warm-up fraction of the steps (0.04)"),
+    ("--warmup", "warmup_fraction", float, "warm-up fraction of the first --steps (0.04)"),
+    ("--warmup-steps", "warmup_steps", int, "warm-up steps (default: from --warmup; fixed at start)"),
+    ("--decay", "decay_fraction", float, "wsd: decaying fraction of the final steps (0.2)"),
     ("--grad-clip", "grad_clip", float, "grad-norm clip (1.0)"),
     ("--max-seq-len", "max_seq_len", int, "truncate sequences to this many tokens (640)"),
     ("--seed", "seed", int, "seed (0)"),
     ("--log-every", "log_every", int, "steps per log record (10)"),
     ("--eval-every", "eval_every", int, "steps between held-out evals (200)"),
     ("--eval-sequences", "eval_sequences", int, "held-out sequences per eval (64)"),
-    ("--checkpoint-every", "checkpoint_every", int, "steps between checkpoints (50)"),
+    ("--checkpoint-every", "checkpoint_every", int, "steps between checkpoints (100)"),
     ("--feature-cache-gb", "feature_cache_gb", float,
      "memory for target features reused by later epochs (6; 0 reruns the target every step)"),
 )
@@ -99,7 +114,7 @@ def generate_config(args) -> GenerateConfig:
         chat_fraction=args.chat_fraction, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, chunk_size=args.chunk_size,
         max_num_seqs=args.max_num_seqs, model=args.model, threads=args.threads,
-        heldout_only=args.heldout_only)
+        heldout_only=args.heldout_only, prompt_source=args.prompt_source)
 
 
 def train_config(args) -> TrainConfig:
@@ -111,6 +126,7 @@ def train_config(args) -> TrainConfig:
     fields.update({k: v for k, v in saved.items() if k != "out_dir"})
     explicit = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
     explicit["markov_head_type"] = args.markov_head_type
+    explicit["schedule"] = args.schedule
     explicit["bf16"] = args.bf16
     explicit["data_dir"] = args.data_dir
     explicit["extra_data_dirs"] = args.extra_data_dirs and tuple(args.extra_data_dirs)

@@ -1,10 +1,10 @@
 """Training data: the target's own responses to local prompts, stored as token shards.
 
 DSpark trains the drafter on text the target itself wrote (reference/dspark_algorithm.md §5.1):
-the drafter must predict the target, not a human corpus. So the prompts (dspark/train/prompts.py)
-go through our engine, and each finished request becomes one sequence `prompt + response` with a
-loss mask over the response tokens only (the end-of-turn token included: the drafter has to
-predict it too).
+the drafter must predict the target, not a human corpus. So the prompts (dspark/train/prompts.py,
+or the target's own user turns, dspark/train/self_prompts.py) go through our engine, and each
+finished request becomes one sequence `prompt + response` with a loss mask over the response
+tokens only (the end-of-turn token included: the drafter has to predict it too).
 
 Generation is chunked: every `chunk_size` prompts become one shard file written atomically, and a
 rerun skips every prompt whose uid is already in a shard, so an interrupted run resumes where it
@@ -35,7 +35,8 @@ SHARD_VERSION = 1
 MANIFEST = "manifest.json"
 # settings that change what a shard holds; resuming with other values is refused
 PINNED = ("seed", "heldout_fraction", "chat_fraction", "max_tokens", "temperature", "top_p",
-          "max_prompt_tokens", "model", "dtype")
+          "max_prompt_tokens", "model", "dtype", "prompt_source")
+PROMPT_SOURCES = ("local", "self")
 
 
 @dataclass
@@ -55,6 +56,13 @@ class GenerateConfig:
     dtype: str = "bfloat16"
     threads: int | None = None        # torch CPU threads (None: leave as is)
     heldout_only: bool = False        # only the held-out split (a later full run adds the rest)
+    prompt_source: str = "local"      # "local": prompts.py; "self": the target's own user turns
+                                      # and installed packages' code (self_prompts.py)
+
+    def __post_init__(self) -> None:
+        if self.prompt_source not in PROMPT_SOURCES:
+            raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, "
+                             f"not {self.prompt_source!r}")
 
 
 @dataclass
@@ -71,15 +79,18 @@ class Sample:
     tokens: torch.Tensor       # [S] int64: prompt + response
     loss_mask: torch.Tensor    # [S] bool: True on response tokens
     kind: str
+    uid: str = ""              # the prompt's id in its shard (resume keeps a sampler's place by it)
 
 
 # ---- prompts -> token ids -----------------------------------------------------------------------
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Chat kinds get the target's chat template (default system message); raw code does not."""
+    """Chat kinds get the target's chat template (default system message), after the earlier
+    turns of a multi-turn prompt; raw code does not."""
     if prompt.kind == "code_raw":
         return tokenizer.encode(prompt.text, add_special_tokens=True)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
+    messages = [{"role": role, "content": content} for role, content in prompt.history]
+    text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt.text}],
                                          add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -153,7 +164,7 @@ def _check_manifest(cfg: GenerateConfig) -> None:
     pinned = {k: getattr(cfg, k) for k in PINNED}
     if os.path.isfile(path):
         with open(path) as f:
-            old = json.load(f).get("pinned", {})
+            old = {"prompt_source": "local", **json.load(f).get("pinned", {})}   # older manifests
         diff = {k: (old.get(k), v) for k, v in pinned.items() if old.get(k) != v}
         if diff:
             raise ValueError(f"{cfg.data_dir} was generated with other settings "
@@ -210,12 +221,17 @@ def _seeded(base: SamplingParams, uid: str, seed: int) -> SamplingParams:
 
 def generate_data(cfg: GenerateConfig) -> int:
     """Build the prompt list, run the target over the missing ones, write shards."""
+    _check_manifest(cfg)          # before the prompts: self-written ones cost target time
     from dspark.llm import LLM
     llm = LLM(cfg.model, dtype=cfg.dtype, drafter=None, max_num_seqs=cfg.max_num_seqs,
               max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 1, num_threads=cfg.threads)
     if llm.tokenizer is None:
         raise ValueError("data generation needs a target with a tokenizer (and chat template)")
-    prompts = build_prompts(cfg.num_prompts, cfg.seed, cfg.chat_fraction)
+    if cfg.prompt_source == "self":
+        from dspark.train.self_prompts import SelfPromptConfig, self_prompts
+        prompts = self_prompts(llm, SelfPromptConfig.from_generate(cfg), cfg.data_dir)
+    else:
+        prompts = build_prompts(cfg.num_prompts, cfg.seed, cfg.chat_fraction)
     return generate_shards(llm, encode_prompts(llm.tokenizer, prompts, cfg), cfg)
 
 
@@ -238,7 +254,7 @@ def load_samples(data_dir: str, heldout: bool, max_len: int = 1024,
             lo, hi = offsets[i], min(offsets[i + 1], offsets[i] + max_len)
             mask = shard["loss_mask"][lo:hi].clone()
             if int(mask.sum()) >= min_loss_tokens:
-                out.append(Sample(shard["tokens"][lo:hi].long(), mask, kind))
+                out.append(Sample(shard["tokens"][lo:hi].long(), mask, kind, shard["uids"][i]))
     return out
 
 
@@ -262,36 +278,56 @@ def check_splits_agree(data_dirs: Sequence[str]) -> None:
 
 
 class EpochSampler:
-    """Sequence indices in a fresh seeded permutation per epoch; its cursor is checkpointed."""
+    """Sequence indices in a fresh seeded permutation per epoch. Its state (epoch, the epoch's
+    order, the cursor) is checkpointed, and a run resumed on grown data keeps its place: the
+    sequences the epoch has not reached yet and the new ones share the rest of the epoch."""
 
     def __init__(self, num_items: int, seed: int):
         if num_items < 1:
             raise ValueError("no training sequences: generate data first (--generate-data)")
         self.num_items, self.seed = num_items, seed
         self.epoch, self.pos = 0, 0
-        self._order = self._permutation()
+        self._order = self._permutation(num_items, 0)
 
-    def _permutation(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.num_items, generator=g).tolist()
+    def _permutation(self, num_items: int, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(num_items, generator=g).tolist()
 
     def next_batch(self, size: int) -> list[int]:
         out = []
         while len(out) < size:
-            if self.pos >= self.num_items:
+            if self.pos >= len(self._order):
                 self.epoch, self.pos = self.epoch + 1, 0
-                self._order = self._permutation()
-            take = min(size - len(out), self.num_items - self.pos)
+                self._order = self._permutation(self.num_items, self.epoch)
+            take = min(size - len(out), len(self._order) - self.pos)
             out.extend(self._order[self.pos:self.pos + take])
             self.pos += take
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "num_items": self.num_items}
+        return {"epoch": self.epoch, "pos": self.pos, "num_items": self.num_items,
+                "order": torch.tensor(self._order, dtype=torch.long)}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["num_items"] != self.num_items:
-            raise ValueError(f"the checkpoint was trained on {state['num_items']} sequences but "
-                             f"the data now holds {self.num_items}; resume with the same data")
-        self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = self._permutation()
+    def load_state_dict(self, state: dict, old_to_new: Sequence[int | None] | None = None) -> None:
+        """`old_to_new[i]`: where the checkpoint's sequence i is now (None: gone); without it the
+        data must be the checkpoint's. Sequences not in the checkpoint join the epoch's rest."""
+        saved_n, pos = state["num_items"], state["pos"]
+        order = (state["order"].tolist() if "order" in state
+                 else self._permutation(saved_n, state["epoch"]))
+        if old_to_new is None:
+            if saved_n != self.num_items:
+                raise ValueError(f"the checkpoint was trained on {saved_n} sequences but the data "
+                                 f"now holds {self.num_items}; resume with the same data")
+            old_to_new = range(saved_n)
+        seen = [old_to_new[i] for i in order[:pos] if old_to_new[i] is not None]
+        rest = [old_to_new[i] for i in order[pos:] if old_to_new[i] is not None]
+        placed = set(seen) | set(rest)
+        new = [i for i in range(self.num_items) if i not in placed]
+        if new or len(seen) != pos or len(rest) != len(order) - pos:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + state["epoch"] + 7919 * saved_n)
+            pool = rest + new
+            rest = [pool[j] for j in torch.randperm(len(pool), generator=g).tolist()]
+            logger.info("data changed since the checkpoint (%d -> %d sequences, %d new): epoch %d "
+                        "goes on with %d sequences", saved_n, self.num_items, len(new),
+                        state["epoch"], len(rest))
+        self.epoch, self.pos, self._order = state["epoch"], len(seen), seen + rest

@@ -10,6 +10,14 @@ with ctx_valid[n] = positions < its anchor (reference/dspark_algorithm.md §3.3,
 
 Vocabulary-sized tensors are built only for supervised slots, in slot-major order (all slot-0
 rows, then slot 1, ...), which is the order the rnn head's left-to-right loop produces them in.
+
+A drafter with a reduced draft vocabulary trains in it, as it will draft: its logits (LM-head rows
+and Markov W2 alike) span V_draft only, so the target's full LM head is never multiplied or
+back-propagated through by the drafter, and the teacher is the target's distribution renormalised
+over the draft ids (the softmax of its logits at those ids), which is what the drafter can match.
+A label outside the draft vocabulary cannot be drafted, so it leaves the CE term (its slot still
+counts in the L1 and confidence terms) and is counted; a target argmax outside it is a greedy
+miss, as it is at inference.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from dspark.models.drafter import Drafter
 from dspark.train.features import TargetFeatureExtractor
@@ -35,6 +44,36 @@ class StepMetrics:
     weight_sum: float             # Σ w over supervised slots (to pool the loss terms)
     supervised_slots: int         # M
     tokens: int                   # T: target tokens processed
+    labels_outside: int = 0       # supervised labels outside the draft vocabulary (not in CE)
+
+
+@dataclass
+class DraftVocab:
+    """The vocabulary a drafter trains in when it is not the target's: its LM-head rows and the
+    id maps both ways."""
+    weight: torch.Tensor          # [V_draft, d] the target LM-head rows of the draft ids
+    index: torch.Tensor           # [V_draft] target id of each draft id, increasing
+    lookup: torch.Tensor          # [V] draft id of each target id, -1 outside
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, index: torch.Tensor, vocab_size: int) -> DraftVocab:
+        lookup = torch.full((vocab_size,), -1, dtype=torch.long, device=index.device)
+        lookup[index] = torch.arange(index.numel(), device=index.device)
+        return cls(weight, index, lookup)
+
+    @classmethod
+    def of(cls, drafter: Drafter) -> DraftVocab | None:
+        """The drafter's reduced draft vocabulary (None at full vocabulary)."""
+        if not drafter.config.uses_draft_vocab:
+            return None
+        return cls.build(drafter.draft_lm_head_weight, drafter.draft_to_target_index,
+                         drafter.config.vocab_size)
+
+    def to_draft(self, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids -> (draft ids, 0 where outside; bool inside the draft vocabulary)."""
+        ids = self.lookup[target_ids]
+        inside = ids >= 0
+        return ids.clamp_min(0), inside
 
 
 @dataclass
@@ -84,19 +123,24 @@ class DraftRows:
 
 
 def draft_rows(drafter: Drafter, h_block: torch.Tensor, batch: BlockBatch,
-               sel: SupervisedSlots) -> DraftRows:
-    """Base logits, Markov bias and confidence logits at the supervised slots.
+               sel: SupervisedSlots, vocab: DraftVocab | None = None) -> DraftRows:
+    """Base logits, Markov bias and confidence logits at the supervised slots, over the draft
+    vocabulary (`vocab`, by default the drafter's own).
 
-    U is `drafter.lm_head(h)` kept in the matmul's dtype: `Drafter.base_logits` is the same
-    product cast to fp32, a copy the fused loss makes chunk by chunk instead (training builds
-    full-vocabulary drafters only, so the draft-vocabulary branch of base_logits never applies).
+    U is `drafter.lm_head(h)`, or the draft vocabulary's rows of it, kept in the matmul's dtype:
+    `Drafter.base_logits` is the same product cast to fp32, a copy the fused loss makes chunk by
+    chunk instead.
     """
     cfg = drafter.config
+    vocab = vocab if vocab is not None else DraftVocab.of(drafter)
     h = drafter.draft_hidden(h_block)                                             # [N, γ, d]
     dev = h.device
     blocks, slots = sel.blocks.to(dev), sel.slots.to(dev)
     h_sel = h[blocks, slots]                                                      # [M, d]
-    base = drafter.lm_head(h_sel.to(drafter.lm_head.weight.dtype))                # [M, V]
+    if vocab is None:
+        base = drafter.lm_head(h_sel.to(drafter.lm_head.weight.dtype))            # [M, V]
+    else:
+        base = F.linear(h_sel.to(vocab.weight.dtype), vocab.weight)               # [M, V_draft]
     e = bias = None
     if cfg.markov_rank > 0:
         prev = batch.prev_ids.to(dev)
@@ -140,12 +184,12 @@ def _grid(values: torch.Tensor, sel: SupervisedSlots, batch: BlockBatch) -> torc
 
 
 def training_forward(drafter: Drafter, extractor: TargetFeatureExtractor, batch: BlockBatch,
-                     alphas: LossWeights, autocast: bool,
-                     keys: Sequence[Hashable] | None = None) -> tuple[LossOutput, StepMetrics]:
+                     alphas: LossWeights, autocast: bool, keys: Sequence[Hashable] | None = None,
+                     vocab: DraftVocab | None = None) -> tuple[LossOutput, StepMetrics]:
     """Run target and drafter over one batch; the loss is ready for backward. `keys` name the
-    batch's sequences for the extractor's feature cache."""
-    if drafter.config.uses_draft_vocab:
-        raise NotImplementedError("training a reduced draft vocabulary is not supported")
+    batch's sequences for the extractor's feature cache; `vocab` is the draft vocabulary to train
+    in (by default the drafter's own: its reduced one, or none)."""
+    vocab = vocab if vocab is not None else DraftVocab.of(drafter)
     sel = supervised_slots(batch)
     feats = extractor(batch.tokens, batch.seq_offsets, sel.teacher_rows, keys)
     dev = feats.aux_hidden.device
@@ -153,15 +197,24 @@ def training_forward(drafter: Drafter, extractor: TargetFeatureExtractor, batch:
         ctx_k, ctx_v, valid = block_context(drafter, feats.aux_hidden, batch)
         h_block = drafter.block_forward(batch.block_ids.to(dev), batch.positions.to(dev), ctx_k,
                                         ctx_v, valid)
-        rows = draft_rows(drafter, h_block, batch, sel)
+        rows = draft_rows(drafter, h_block, batch, sel, vocab)
     with torch.no_grad():
-        teacher = torch.softmax(feats.teacher_logits, dim=-1)                     # [U, V]
         target_argmax = feats.teacher_logits.argmax(-1)
+        logits = feats.teacher_logits if vocab is None else feats.teacher_logits[:, vocab.index]
+        teacher = torch.softmax(logits, dim=-1)                                   # [U, V_draft]
     index = sel.teacher_index.to(dev)
     weights = position_weights(batch.supervised.shape[1], alphas.decay).to(dev)[sel.slots.to(dev)]
     labels = batch.labels.to(dev)[sel.blocks.to(dev), sel.slots.to(dev)]
+    top, label_mask, outside = target_argmax[index], None, 0
+    if vocab is not None:
+        labels, label_mask = vocab.to_draft(labels)
+        top, top_inside = vocab.to_draft(top)
+        outside = int((~label_mask).sum())
     out, top_match = fused_dspark_loss(rows.base, rows.bias, teacher, index, labels,
-                                       rows.conf_logits, weights, target_argmax[index], alphas)
+                                       rows.conf_logits, weights, top, alphas,
+                                       label_mask=label_mask)
+    if vocab is not None:
+        top_match = top_match & top_inside
     match = top_match.float()
     sup = batch.supervised
     conf = rows.conf_logits
@@ -171,7 +224,8 @@ def training_forward(drafter: Drafter, extractor: TargetFeatureExtractor, batch:
         confidence=per_position_mean(_grid(torch.sigmoid(conf), sel, batch), sup)
         if conf is not None else torch.zeros(sup.shape[1]),
         slot_counts=sup.sum(0), weight_sum=float(weights.sum()),
-        supervised_slots=int(sel.blocks.numel()), tokens=int(batch.tokens.numel()))
+        supervised_slots=int(sel.blocks.numel()), tokens=int(batch.tokens.numel()),
+        labels_outside=outside)
     return out, metrics
 
 
@@ -184,7 +238,7 @@ class MetricPool:
         self.weight = 0.0
         self.rates = torch.zeros(3, gamma, dtype=torch.float64)     # accept, greedy, confidence
         self.counts = torch.zeros(gamma, dtype=torch.float64)
-        self.tokens = self.slots = 0
+        self.tokens = self.slots = self.labels_outside = 0
 
     def add(self, out: LossOutput, m: StepMetrics) -> None:
         w = m.weight_sum
@@ -196,6 +250,7 @@ class MetricPool:
         self.counts += counts
         self.tokens += m.tokens
         self.slots += m.supervised_slots
+        self.labels_outside += m.labels_outside
 
     def summary(self) -> dict:
         terms = (self.terms / max(self.weight, 1e-12)).tolist()
@@ -206,4 +261,4 @@ class MetricPool:
                 "confidence": [round(x, 4) for x in conf.tolist()],
                 "tau": float(expected_accept_length(accept)),
                 "tau_greedy": float(expected_accept_length(greedy)),
-                "tokens": self.tokens, "slots": self.slots}
+                "tokens": self.tokens, "slots": self.slots, "labels_outside": self.labels_outside}

@@ -94,11 +94,18 @@ def fused_dspark_loss(base: torch.Tensor, bias: torch.Tensor | None, teacher: to
                       teacher_index: torch.Tensor, labels: torch.Tensor,
                       conf_logits: torch.Tensor | None, weights: torch.Tensor,
                       target_top: torch.Tensor, alphas: LossWeights = LossWeights(),
-                      chunk: int = 4) -> tuple[LossOutput, torch.Tensor]:
-    """`loss.dspark_loss` on the fused kernel; also returns the top-1 match [M] for metrics."""
+                      chunk: int = 4,
+                      label_mask: torch.Tensor | None = None) -> tuple[LossOutput, torch.Tensor]:
+    """`loss.dspark_loss` on the fused kernel; also returns the top-1 match [M] for metrics.
+    `label_mask` [M] (bool) keeps a row in the CE term; unset, every row is."""
     norm = weights.sum().clamp_min(1e-12)
-    terms = fused_ce_l1(base, bias, teacher, teacher_index, labels, alphas.ce * weights / norm,
-                        alphas.l1 * weights / norm, target_top, chunk)
+    ce_weights, ce_norm = weights, norm
+    if label_mask is not None:
+        ce_weights = weights * label_mask
+        ce_norm = ce_weights.sum().clamp_min(1e-12)
+    terms = fused_ce_l1(base, bias, teacher, teacher_index, labels,
+                        alphas.ce * ce_weights / ce_norm, alphas.l1 * weights / norm, target_top,
+                        chunk)
     accept = acceptance_target(terms.l1)
     total = terms.weighted
     conf_mean = torch.zeros((), device=base.device)
@@ -106,6 +113,6 @@ def fused_dspark_loss(base: torch.Tensor, bias: torch.Tensor | None, teacher: to
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
         conf_mean = weighted_mean(bce, weights)
         total = total + alphas.conf * conf_mean
-    out = LossOutput(total=total, ce=weighted_mean(terms.ce, weights),
+    out = LossOutput(total=total, ce=weighted_mean(terms.ce, ce_weights),
                      l1=weighted_mean(terms.l1, weights), conf=conf_mean.detach(), accept=accept)
     return out, terms.top_match

@@ -15,6 +15,8 @@ Follows reference/dspark_algorithm.md §5.2-5.3 (DeepSpec's code where paper and
   L = 0.1 CE(corrected logits, y) + 0.9 ||p_d - p_t||_1 + 1.0 BCE(z, clamp(1 - ½||p_d - p_t||_1)),
   the full L1 (= 2 TV) as DeepSpec computes it, p_d = softmax(U + B) Markov-corrected, and the
   confidence target detached.
+* In a reduced draft vocabulary (forward.py) every distribution is over the draft ids, the
+  teacher renormalised over them, and a label outside them drops out of the CE mean.
 """
 
 from __future__ import annotations
@@ -158,13 +160,18 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def dspark_loss(logits: torch.Tensor, teacher_probs: torch.Tensor, labels: torch.Tensor,
                 conf_logits: torch.Tensor | None, weights: torch.Tensor,
-                alphas: LossWeights = LossWeights()) -> LossOutput:
-    """Supervised slots only: logits/teacher [M, V] fp32, labels [M], conf [M], weights [M]."""
+                alphas: LossWeights = LossWeights(),
+                label_mask: torch.Tensor | None = None) -> LossOutput:
+    """Supervised slots only: logits/teacher [M, V] fp32, labels [M], conf [M], weights [M].
+
+    `label_mask` [M] bool keeps a row in the CE term (a label outside a reduced draft vocabulary
+    has no logit to raise); the CE mean is then over the kept rows. Unset, every row is kept."""
     log_p = torch.log_softmax(logits.float(), dim=-1)
     ce = -log_p.gather(1, labels[:, None]).squeeze(1)                            # [M]
     l1 = l1_distance(log_p.exp(), teacher_probs)                                  # [M]
     accept = acceptance_target(l1)
-    ce_mean, l1_mean = weighted_mean(ce, weights), weighted_mean(l1, weights)
+    ce_weights = weights if label_mask is None else weights * label_mask
+    ce_mean, l1_mean = weighted_mean(ce, ce_weights), weighted_mean(l1, weights)
     total = alphas.ce * ce_mean + alphas.l1 * l1_mean
     conf_mean = torch.zeros((), device=logits.device)
     if conf_logits is not None:

@@ -11,7 +11,8 @@ both license-clean and nothing downloaded:
   standard-library modules (name and the first line of their docstring).
 
 Everything is deterministic for a seed: files are walked in sorted order and every random choice
-comes from a `random.Random` seeded by the prompt's own id.
+comes from a `random.Random` seeded by the prompt's own id. The other prompt source,
+`--prompt-source self` (self_prompts.py), has the target write the user turns.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Prompt:
     group: str     # split key: every variant of one source shares it, so none leaks into held-out
     kind: str      # one of KINDS
     text: str      # the user message (chat kinds) or the raw text to complete (code_raw)
+    history: tuple[tuple[str, str], ...] = ()   # earlier (role, content) turns of a conversation
 
 
 @dataclass(frozen=True)
@@ -136,17 +138,21 @@ def module_summaries(root: str | None = None) -> list[tuple[str, str]]:
     """(public module name, first docstring line) for documented stdlib modules."""
     out = []
     for module, path in iter_stdlib_files(root):
-        if any(part.startswith("_") for part in module.split(".")):
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                doc = ast.get_docstring(ast.parse(f.read()))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        summary = _first_line(doc)
-        if _good_summary(summary):
+        summary = None if any(p.startswith("_") for p in module.split(".")) else module_summary(path)
+        if summary:
             out.append((module, summary))
     return out
+
+
+def module_summary(path: str) -> str | None:
+    """The first line of a module file's docstring, when it reads as a description."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read()))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    summary = _first_line(doc)
+    return summary if _good_summary(summary) else None
 
 
 def _rng(uid: str, seed: int) -> random.Random:
@@ -213,10 +219,10 @@ def build_prompts(num_prompts: int, seed: int = 0, chat_fraction: float = 0.5,
     code_list = [p for src in code[:(n_code + 1) // 2] for p in code_prompts(src, seed)][:n_code]
     logger.info("prompt pool: %d chat, %d code functions; taking %d chat + %d code",
                 len(chat), len(code), n_chat, n_code)
-    return _interleave(chat[:n_chat], code_list)
+    return interleave(chat[:n_chat], code_list)
 
 
-def _interleave(a: list[Prompt], b: list[Prompt]) -> list[Prompt]:
+def interleave(a: list[Prompt], b: list[Prompt]) -> list[Prompt]:
     """Spread the shorter list evenly through the longer one (a stable, seedless merge)."""
     out, i, j = [], 0, 0
     while i < len(a) or j < len(b):

@@ -7,8 +7,11 @@ writes), so the drafter may propose from those alone: its LM head becomes the ta
 kept ids and W2 their rows (both are per-token rows, so nothing is retrained), t2d/d2t map the
 ids (the speculators format). Verification is unchanged and lossless; a target token outside the
 kept set is simply never drafted. Which ids to keep is counted from the target's own greedy
-answers to training-style prompts (not the held-out ones), topped up by id order (BPE merge
-order, roughly frequency) and always including the end-of-sequence ids.
+answers to training-style prompts (not the held-out ones), or, given the training data, from
+every response token it holds (the text the drafter is trained on, so the vocabulary it can be
+trained in), topped up by id order (BPE merge order, roughly frequency) and always including the
+end-of-sequence ids. Either way the coverage (the share of response tokens inside the kept set)
+is reported on the counted split and on the held-out one, whose text chose nothing.
 `full_vocab_state` goes back the other way, for a warm start of training from a pruned drafter.
 """
 
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -78,6 +83,37 @@ def full_vocab_state(drafter: Drafter) -> dict[str, torch.Tensor]:
     return state
 
 
+@dataclass
+class TokenCounts:
+    """Response-token counts of the split that chooses the vocabulary and of the held-out one,
+    with the words the model card uses for each."""
+    train: Counter
+    heldout: Counter
+    train_source: str
+    heldout_source: str
+
+
+def response_token_counts(data_dir: str, heldout: bool) -> tuple[Counter, int]:
+    """Counts of every response token of one split of the training data (whole responses: the
+    training's length cap and minimum do not apply), and the number of responses."""
+    from dspark.train.data import load_samples
+    samples = load_samples(data_dir, heldout, max_len=sys.maxsize, min_loss_tokens=0)
+    if not samples:
+        return Counter(), 0
+    counts = torch.bincount(torch.cat([s.tokens[s.loss_mask] for s in samples]))
+    ids = counts.nonzero().flatten()
+    return Counter(dict(zip(ids.tolist(), counts[ids].tolist()))), len(samples)
+
+
+def data_counts(data_dir: str) -> TokenCounts:
+    train, n_train = response_token_counts(data_dir, heldout=False)
+    held, n_held = response_token_counts(data_dir, heldout=True)
+    if not train:
+        raise ValueError(f"{data_dir!r} holds no training responses to count")
+    return TokenCounts(train, held, f"the {n_train} training responses in `{data_dir}`",
+                       f"the {n_held} held-out responses")
+
+
 def count_answer_tokens(llm, prompts: list[list[int]], max_tokens: int) -> Counter:
     """Token counts of the target's greedy answers (plain decoding)."""
     from dspark.sampling_params import SamplingParams
@@ -91,6 +127,33 @@ def coverage(counts: Counter, keep: torch.Tensor) -> float:
     return sum(n for t, n in counts.items() if t in kept) / total if total else 0.0
 
 
+def answer_counts(llm, args) -> TokenCounts:
+    """Counts of the target's greedy answers to training prompts and to held-out ones."""
+    from dspark.train.data import GenerateConfig, encode_prompt
+    from dspark.train.prompts import build_prompts, is_heldout
+    prompts = build_prompts(2 * args.num_prompts, seed=args.seed)
+    split = {False: [], True: []}
+    fraction = GenerateConfig("").heldout_fraction
+    for p in prompts:
+        split[is_heldout(p.group, fraction, args.seed)].append(encode_prompt(llm.tokenizer, p))
+    train, held = split[False][:args.num_prompts], split[True][:max(8, args.num_prompts // 8)]
+    return TokenCounts(count_answer_tokens(llm, train, args.max_tokens),
+                       count_answer_tokens(llm, held, args.max_tokens),
+                       f"its greedy answers to {len(train)} training prompts",
+                       f"its answers to {len(held)} held-out prompts")
+
+
+def coverage_note(counts: TokenCounts, keep: torch.Tensor, vocab_size: int, command: str) -> str:
+    """The model card's paragraph on the reduced vocabulary: where it came from, its coverage."""
+    return (f"\n## Reduced draft vocabulary\n\n`{command}`: the drafter proposes from "
+            f"{keep.numel()} of the target's {vocab_size} tokens, the ones {counts.train_source} "
+            f"used most ({sum(counts.train.values())} tokens), then the lowest ids. They cover "
+            f"{coverage(counts.train, keep):.1%} of those tokens and "
+            f"{coverage(counts.heldout, keep):.1%} of the {sum(counts.heldout.values())} tokens of "
+            f"{counts.heldout_source} (coverage: the share of response tokens inside the draft "
+            f"vocabulary).\n")
+
+
 def run_prune(args) -> None:
     """The `dspark prune-vocab` command: count, prune, save (config, weights, model card)."""
     import os
@@ -99,21 +162,18 @@ def run_prune(args) -> None:
     from dspark.config import SpecConfig
     from dspark.llm import LLM
     from dspark.models.drafter_loader import load_drafter, save_speculators
-    from dspark.train.data import GenerateConfig, encode_prompt
-    from dspark.train.prompts import build_prompts, is_heldout
     spec = SpecConfig(drafter=args.drafter)
     spec.resolve_embedded(args.model)
     source = spec.drafter
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=None,
               max_num_seqs=args.max_num_seqs)
-    prompts = build_prompts(2 * args.num_prompts, seed=args.seed)
-    split = {False: [], True: []}
-    for p in prompts:
-        split[is_heldout(p.group, GenerateConfig("").heldout_fraction, args.seed)].append(encode_prompt(llm.tokenizer, p))
-    train, held = split[False][:args.num_prompts], split[True][:max(8, args.num_prompts // 8)]
-    counts = count_answer_tokens(llm, train, args.max_tokens)
-    heldout = count_answer_tokens(llm, held, args.max_tokens)
-    keep = choose_vocab(counts, args.size, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids)
+    data_dir = args.data_dir
+    counts = data_counts(data_dir) if data_dir else answer_counts(llm, args)
+    vocab_size = llm.engine.model_config.vocab_size
+    keep = choose_vocab(counts.train, args.size, vocab_size, llm.engine.eos_token_ids)
+    logger.info("draft vocabulary of %d tokens: coverage %.2f%% on %s, %.2f%% on %s", args.size,
+                100 * coverage(counts.train, keep), counts.train_source,
+                100 * coverage(counts.heldout, keep), counts.heldout_source)
     model = llm.engine.worker.model
     drafter = load_drafter(source, llm.engine.model_config, model.embed_tokens, model.lm_head,
                            llm.engine.config.torch_dtype)
@@ -123,12 +183,10 @@ def run_prune(args) -> None:
     for name in ("README.md", "training_curves.png"):
         if os.path.isfile(os.path.join(source, name)) and not os.path.samefile(source, args.out):
             shutil.copy(os.path.join(source, name), os.path.join(args.out, name))
-    note = (f"\n## Reduced draft vocabulary\n\n`dspark prune-vocab --size {args.size} --num-prompts "
-            f"{args.num_prompts} --max-tokens {args.max_tokens}`: the drafter proposes from "
-            f"{args.size} of the target's {drafter.config.vocab_size} tokens, the ones its greedy answers "
-            f"to {len(train)} training prompts used most ({sum(counts.values())} tokens; coverage "
-            f"{coverage(counts, keep):.1%}), then the lowest ids. They cover {coverage(heldout, keep):.1%} "
-            f"of its answers to {len(held)} held-out prompts.\n")
+    command = (f"dspark prune-vocab --size {args.size} --data-dir {data_dir}" if data_dir else
+               f"dspark prune-vocab --size {args.size} --num-prompts {args.num_prompts} "
+               f"--max-tokens {args.max_tokens}")
+    note = coverage_note(counts, keep, vocab_size, command)
     with open(os.path.join(args.out, "README.md"), "a") as f:
         f.write(note)
     print(note.strip())

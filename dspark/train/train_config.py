@@ -18,11 +18,12 @@ from dspark.models.drafter import DrafterConfig
 from dspark.models.drafter_loader import drafter_config_from_hf, read_drafter_config
 from dspark.models.model_config import ModelConfig
 from dspark.train.loss import LossWeights
+from dspark.train.schedule import SCHEDULES
 
 CONFIG = "train_config.json"
 # fields that shape the drafter or its inputs: a checkpoint only resumes under the same values
 ARCH_FIELDS = ("model", "block_size", "num_draft_layers", "markov_rank", "markov_head_type",
-               "target_layer_ids", "mask_token_id")
+               "target_layer_ids", "mask_token_id", "draft_vocab_size")
 
 
 @dataclass
@@ -40,10 +41,15 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None   # None: default_target_layer_ids(n, 5)
     mask_token_id: int | None = None                  # None: pick_mask_token_id
     init_from: str | None = None           # an exported drafter (speculators format) to start from
+    draft_vocab_size: int | None = None    # train in the data's most frequent response tokens
+                                           #   (None: the whole vocabulary)
     # optimisation
     lr: float = 6e-4
     weight_decay: float = 0.0
-    warmup_fraction: float = 0.04
+    schedule: str = "wsd"                  # "wsd" (warm-up, stable, decay) or "cosine" (schedule.py)
+    warmup_fraction: float = 0.04          # of the first `steps`, when warmup_steps is unset
+    warmup_steps: int | None = None        # fixed when the run starts; extending keeps it
+    decay_fraction: float = 0.2            # WSD: the last fraction of the final step count decays
     steps: int = 2000
     batch_size: int = 4                    # sequences per step
     anchors_per_seq: int = 32              # blocks per sequence; M <= batch*anchors*γ rows of V
@@ -70,6 +76,12 @@ class TrainConfig:
                self.anchors_per_seq) < 1:
             raise ValueError("block_size, num_draft_layers, steps, batch_size and anchors_per_seq "
                              "must all be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction must lie in [0, 1], not {self.decay_fraction}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, not {self.draft_vocab_size}")
         if self.min_loss_tokens < 2:
             raise ValueError("min_loss_tokens must be >= 2: a sequence needs an anchor and a label")
 
@@ -83,12 +95,15 @@ class TrainConfig:
 
 
 def read_saved_config(out_dir: str) -> dict | None:
-    """The resolved TrainConfig a run in `out_dir` started with (None for a new run)."""
+    """The resolved TrainConfig a run in `out_dir` started with (None for a new run). A config
+    saved before the schedule was a setting belongs to a cosine run, and resumes as one."""
     path = os.path.join(out_dir, CONFIG)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        saved = json.load(f)
+    saved.setdefault("schedule", "cosine")
+    return saved
 
 
 def default_target_layer_ids(num_layers: int, count: int = 5) -> tuple[int, ...]:

@@ -1,11 +1,13 @@
 """Drafter training: model construction, the loop, held-out eval, checkpoints, export (the run's
 configuration is train_config.py).
 
-The recipe is DeepSpec's (reference/dspark_algorithm.md §5.3-5.4) scaled to a 2-core CPU: AdamW
-with linear warm-up then cosine to zero, grad-norm clip 1.0, bf16 autocast, the target frozen and
-run on the fly. Every `checkpoint_every` steps the whole training state (weights, optimizer,
-scheduler, step, RNG states, data cursor) is written atomically to `<out>/checkpoint.pt`, and a
-Trainer built on the same out dir continues from it: an interrupted job resumes by rerunning it.
+The recipe is DeepSpec's (reference/dspark_algorithm.md §5.3-5.4) scaled to a 2-core CPU: AdamW,
+grad-norm clip 1.0, bf16 autocast, the target frozen and run on the fly; the learning rate follows
+a warm-up-stable-decay schedule (schedule.py). Every `checkpoint_every` steps the whole training
+state (weights, optimizer, step, RNG states, the sampler's epoch order and cursor) is written
+atomically to `<out>/checkpoint.pt`, and a Trainer built on the same out dir continues from it: an
+interrupted job resumes by rerunning it, and a run given more steps or more data continues with
+its optimiser state and its place in the schedule and the epoch.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import asdict
@@ -30,7 +31,8 @@ from dspark.train.data import (EpochSampler, Sample, atomic_save, check_splits_a
 from dspark.train.features import TargetFeatureExtractor
 from dspark.train.forward import MetricPool, StepMetrics, training_forward
 from dspark.train.loss import LossOutput, build_block_batch
-from dspark.train.prune_vocab import full_vocab_state
+from dspark.train.prune_vocab import choose_vocab, coverage, data_counts, full_vocab_state, prune_drafter
+from dspark.train.schedule import check_resume, lr_factor, resolve_warmup_steps
 from dspark.train.train_config import (ARCH_FIELDS, CONFIG, TrainConfig, build_drafter_config,
                                        default_target_layer_ids, init_arch_fields,
                                        pick_mask_token_id)
@@ -52,15 +54,6 @@ def init_drafter(drafter: Drafter, seed: int) -> None:
         torch.nn.init.zeros_(drafter.markov_head.markov_w2.weight)
 
 
-def lr_lambda(step: int, total: int, warmup_fraction: float) -> float:
-    """Linear warm-up over the first `warmup_fraction` of steps, then cosine to zero."""
-    warmup = max(1, round(warmup_fraction * total))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 class Trainer:
     """Owns the frozen target, the drafter being trained, the data and the training state."""
 
@@ -78,23 +71,26 @@ class Trainer:
         init_drafter(self.drafter, self.cfg.seed)
         if saved is None and self.cfg.init_from:
             self._init_from(self.cfg.init_from)
+        if self.cfg.draft_vocab_size:
+            self.drafter = self._reduced(self.drafter, saved)
+            self.drafter_config = self.drafter.config
         self.extractor = TargetFeatureExtractor(self.target.model, tcfg, self.cfg.target_layer_ids,
                                                 cache_bytes=int(self.cfg.feature_cache_gb * 2**30))
         self.train_samples: list[Sample] = []
+        self.sample_keys: list[str] = []     # folder + uid: where each sequence is after a resume
         self.eval_samples: list[Sample] = []
         if load_data:
             check_splits_agree(self.cfg.train_data_paths)
-            self.train_samples = [s for path in self.cfg.train_data_paths
-                                  for s in load_samples(path, False, self.cfg.max_seq_len,
-                                                        self.cfg.min_loss_tokens)]
+            for path in self.cfg.train_data_paths:
+                samples = load_samples(path, False, self.cfg.max_seq_len, self.cfg.min_loss_tokens)
+                self.train_samples += samples
+                self.sample_keys += [f"{os.path.realpath(path)}:{s.uid}" for s in samples]
             self.eval_samples = load_samples(self.cfg.data_path, True, self.cfg.max_seq_len,
                                              self.cfg.min_loss_tokens)[:self.cfg.eval_sequences]
         self.sampler = EpochSampler(len(self.train_samples), self.cfg.seed) if load_data else None
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.lr,
                                            weight_decay=self.cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, self.cfg.steps, self.cfg.warmup_fraction))
         self.anchor_gen = torch.Generator().manual_seed(self.cfg.seed)
         self.step = 0
         self._warn_mask_in_data()
@@ -129,6 +125,10 @@ class Trainer:
         elif cfg.init_from:
             for name, value in init_arch_fields(cfg.init_from, tcfg).items():
                 setattr(cfg, name, value)
+        if cfg.warmup_steps is None:      # fixed at the run's start, kept by every resume
+            first = TrainConfig(**saved["config"]) if saved is not None else cfg
+            cfg.warmup_steps = resolve_warmup_steps(first.warmup_steps, first.warmup_fraction,
+                                                    first.steps)
         if cfg.target_layer_ids is None:
             cfg.target_layer_ids = default_target_layer_ids(tcfg.num_layers)
         if cfg.mask_token_id is None:
@@ -150,6 +150,22 @@ class Trainer:
         self.drafter.load_state_dict(state)
         logger.info("initialised the drafter from %s", path)
 
+    def _reduced(self, drafter: Drafter, saved: dict | None) -> Drafter:
+        """The drafter in a reduced draft vocabulary: its LM head, Markov rows and teacher over
+        the data's most frequent response tokens only (train/forward.py). A resumed run keeps
+        the vocabulary its checkpoint holds (its maps are in the saved state)."""
+        size = self.cfg.draft_vocab_size
+        if saved is not None:
+            return Drafter(dataclasses.replace(drafter.config, draft_vocab_size=size),
+                           self.target.model.embed_tokens, self.target.model.lm_head)
+        counts = data_counts(self.cfg.data_path)
+        keep = choose_vocab(counts.train, size, self.target.config.vocab_size,
+                            sorted(self.target.config.eos_token_ids))
+        logger.info("draft vocabulary of %d tokens: coverage %.2f%% on %s, %.2f%% on %s", size,
+                    100 * coverage(counts.train, keep), counts.train_source,
+                    100 * coverage(counts.heldout, keep), counts.heldout_source)
+        return prune_drafter(drafter, keep)
+
     def _warn_mask_in_data(self) -> None:
         hits = sum(int((s.tokens == self.cfg.mask_token_id).sum()) for s in self.train_samples)
         if hits:
@@ -159,11 +175,11 @@ class Trainer:
     # ---- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"format": 1, "step": self.step, "config": asdict(self.cfg),
+        return {"format": 2, "step": self.step, "config": asdict(self.cfg),
                 "drafter_config": asdict(self.drafter_config),
                 "model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
                 "sampler": self.sampler.state_dict() if self.sampler else None,
+                "sample_keys": self.sample_keys,
                 "rng": {"torch": torch.get_rng_state(), "anchor": self.anchor_gen.get_state()}}
 
     def save_checkpoint(self) -> str:
@@ -173,15 +189,30 @@ class Trainer:
 
     def _load_state(self, saved: dict) -> None:
         self.drafter.load_state_dict(saved["model"])
+        if self.drafter.config.uses_draft_vocab:
+            self.drafter.bind_draft_vocab()          # its LM-head rows follow the loaded maps
         self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
+        check_resume(saved["step"], _schedule_settings(saved["config"]),
+                     _schedule_settings(asdict(self.cfg)))
         if self.sampler is not None:
-            self.sampler.load_state_dict(saved["sampler"])
+            self.sampler.load_state_dict(saved["sampler"], self._old_to_new(saved))
         torch.set_rng_state(saved["rng"]["torch"])
         self.anchor_gen.set_state(saved["rng"]["anchor"])
         self.step = saved["step"]
         self._truncate_log(self.step)
         logger.info("resumed from %s at step %d", self.cfg.out_dir, self.step)
+
+    def _old_to_new(self, saved: dict) -> list[int | None] | None:
+        """Where each sequence the checkpoint was trained on is now (None: no longer loaded);
+        None for a checkpoint without sequence keys, which resumes on unchanged data only."""
+        if "sample_keys" not in saved:
+            return None
+        index = {key: i for i, key in enumerate(self.sample_keys)}
+        return [index.get(key) for key in saved["sample_keys"]]
+
+    def lr_at(self, step: int) -> float:
+        cfg = self.cfg
+        return cfg.lr * lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.schedule, cfg.decay_fraction)
 
     def _truncate_log(self, step: int) -> None:
         """Records written after the checkpoint will be written again: drop them."""
@@ -215,8 +246,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         out.total.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
         self.optimizer.step()
-        self.scheduler.step()
         self.step += 1
         return out, metrics, float(grad_norm)
 
@@ -236,29 +268,31 @@ class Trainer:
                                        self.cfg.bf16, keys))
         return pool.summary()
 
-    def train(self, use_tqdm: bool = True) -> dict:
-        """Run to `cfg.steps`, logging, evaluating and checkpointing; returns the last eval."""
+    def train(self, use_tqdm: bool = True, stop_at: int | None = None) -> dict:
+        """Run to `cfg.steps` (or stop early at `stop_at`, on the same schedule, with a
+        checkpoint), logging, evaluating and checkpointing; returns the last eval."""
         cfg, last_eval = self.cfg, {}
+        end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
         window, busy, start = MetricPool(cfg.block_size), 0.0, time.perf_counter()
         grad_norms: list[float] = []
         if self.step == 0 and cfg.init_from and cfg.eval_every:
             last_eval = self._log_eval()           # the warm start's baseline, at step 0
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", disable=not use_tqdm)
-        while self.step < cfg.steps:
+        while self.step < end:
             t0 = time.perf_counter()
             out, metrics, grad_norm = self.train_step()
             busy += time.perf_counter() - t0          # throughput excludes eval and checkpoints
             window.add(out, metrics)
             grad_norms.append(grad_norm)
             bar.update(1)
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+            if self.step % cfg.log_every == 0 or self.step == end:
                 record = self._train_record(window, grad_norms, busy, time.perf_counter() - start)
                 self.log(record)
                 bar.set_postfix_str(_postfix(record))
                 window, busy, grad_norms = MetricPool(cfg.block_size), 0.0, []
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                 last_eval = self._log_eval()
-            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+            if self.step % cfg.checkpoint_every == 0 or self.step == end:
                 self.save_checkpoint()
         bar.close()
         return last_eval
@@ -276,7 +310,7 @@ class Trainer:
         summary = window.summary()
         steps = len(grad_norms)
         return {"type": "train", "step": self.step, "epoch": self.sampler.epoch,
-                "lr": self.scheduler.get_last_lr()[0], "grad_norm": sum(grad_norms) / steps,
+                "lr": self.lr_at(self.step - 1), "grad_norm": sum(grad_norms) / steps,
                 "step_s": seconds / steps, "tok_s": summary["tokens"] / seconds,
                 "slots_s": summary["slots"] / seconds, "elapsed_s": elapsed, **summary}
 
@@ -286,6 +320,8 @@ class Trainer:
         """Write the speculators format (what `load_drafter` and the engine read)."""
         copy = Drafter(self.drafter_config, self.target.model.embed_tokens, self.target.model.lm_head)
         copy.load_state_dict(self.drafter.state_dict())
+        if copy.config.uses_draft_vocab:
+            copy.bind_draft_vocab()
         copy = copy.to(dtype)
         name = self.cfg.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
         save_speculators(copy, path, verifier_name_or_path=name,
@@ -298,6 +334,13 @@ class Trainer:
         from dspark.train.card import write_model_card
         return write_model_card(path, self.cfg.out_dir, self.cfg, self.drafter_config,
                                 sum(p.numel() for p in self.params))
+
+
+def _schedule_settings(config: dict) -> dict:
+    """A config's schedule fields; a checkpoint from before they existed held a cosine run."""
+    cfg = TrainConfig(**{"schedule": "cosine", **config})
+    return {"schedule": cfg.schedule, "steps": cfg.steps, "decay_fraction": cfg.decay_fraction,
+            "warmup_steps": resolve_warmup_steps(cfg.warmup_steps, cfg.warmup_fraction, cfg.steps)}
 
 
 def _postfix(record: dict) -> str:
