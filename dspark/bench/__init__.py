@@ -20,7 +20,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--data", default=None, help="spec: draft-training data folder (its held-out split)")
+    p.add_argument("--data", default=None, help="spec: draft-training data folder (its held-out split), "
+                   "a .jsonl of prompts, or `ood` (the shipped out-of-distribution set)")
     p.add_argument("--num-prompts", type=int, default=8, help="spec: prompts per kind")
     p.add_argument("--temperatures", default="0",
                    help="spec: comma-separated sampling temperatures (sampled requests seeded per prompt)")
