@@ -29,6 +29,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from tqdm import tqdm
+
 from dspark.sampling_params import SamplingParams
 from dspark.train.packages import package_functions, training_distributions
 from dspark.train.prompts import Prompt, code_prompts, interleave
@@ -199,19 +201,23 @@ class _Writer:
 
     def single_turns(self, want: int) -> list[Prompt]:
         kept: list[Prompt] = []
-        for lo in range(0, want * self.cfg.max_candidates, self.cfg.batch):
-            if len(kept) >= want:
-                break
-            uids = [f"self:u{i}" for i in range(lo, lo + self.cfg.batch)]
-            for uid, text in zip(uids, self.user_turns([()] * len(uids), uids)):
-                if len(kept) < want and self.accept(text):
-                    kept.append(Prompt(uid, "", "chat", text))
+        with tqdm(total=want, desc="the target writing user turns") as bar:
+            for lo in range(0, want * self.cfg.max_candidates, self.cfg.batch):
+                if len(kept) >= want:
+                    break
+                uids = [f"self:u{i}" for i in range(lo, lo + self.cfg.batch)]
+                for uid, text in zip(uids, self.user_turns([()] * len(uids), uids)):
+                    if len(kept) < want and self.accept(text):
+                        kept.append(Prompt(uid, "", "chat", text))
+                bar.update(len(kept) - bar.n)
         return kept
 
     def conversations(self, want: int) -> list[Prompt]:
         """First turn, the target's answer, second turn: the prompt is the second turn."""
         kept: list[Prompt] = []
+        bar = tqdm(total=want, desc="the target writing conversations")
         for lo in range(0, want * self.cfg.max_candidates, self.cfg.batch):
+            bar.update(len(kept) - bar.n)
             if len(kept) >= want:
                 break
             uids = [f"self:m{i}" for i in range(lo, lo + self.cfg.batch)]
@@ -227,6 +233,7 @@ class _Writer:
             for (uid, _), history, text, answer in zip(firsts, histories, seconds, answers):
                 if len(kept) < want and answer and self.accept(text):
                     kept.append(Prompt(uid, "", "chat", text, history))
+        bar.close()
         return kept
 
 
