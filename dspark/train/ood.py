@@ -62,7 +62,7 @@ CODE_TEMPLATES = (
 )
 
 
-# a few READMEs address automated tools or shells' sessions rather than their own subject
+# a few READMEs address automated tools or interactive shells rather than their own subject
 OFF_SUBJECT = re.compile(r"\bagents?\b|\bsessions?\b", re.I)
 
 DANGLING = frozenset("a an and as at between by for from in of on or the to that which with "
