@@ -1,8 +1,10 @@
-"""Owns the target (and drafter), their KV caches and the sampler; one device->host copy a step.
+"""Owns the target's and drafter's KV caches and a step's device work; one wait for the device a
+step, when its results are read (`step.to_host`).
 
 A step's chunks are prefill chunks, plain decode tokens and speculative blocks, all in one ragged
-target forward.  For speculative blocks the drafter runs first and its drafts are written into
-the block's input rows on the device, so drafting, verification and acceptance need no sync.
+target forward. For speculative blocks the drafter runs first and its drafts are written into
+the block's input rows on the device, so drafting, verification and acceptance need no other
+wait, except where a verify budget trims the blocks: their lengths are read back first.
 """
 
 from __future__ import annotations
