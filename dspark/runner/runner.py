@@ -64,6 +64,7 @@ class Runner:
         self.fused_draft = fused_draft
         self.max_num_seqs = max_num_seqs
         self.draft_graphs: DraftGraphs | None = None      # built with the caches (`capture`)
+        self.block_size: int | None = None                # the caches' (`capture`)
         self.dummy_steps = 0
 
     @property

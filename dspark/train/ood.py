@@ -18,7 +18,6 @@ Each line: {"id", "kind" (chat / code_chat / code_raw), "package", "version", "s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ import sys
 
 from dspark.train.packages import (description_sentences, eval_distributions, module_files,
                                    normalize, package_functions, summary)
-from dspark.train.prompts import module_summary
+from dspark.train.prompts import keyed_rng, module_summary
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ DANGLING = frozenset("a an and as at between by for from in of on or the to that
 
 
 def _rng(seed: int, salt: str) -> random.Random:
-    return random.Random(int.from_bytes(hashlib.sha256(f"ood:{seed}:{salt}".encode()).digest()[:8], "big"))
+    return keyed_rng(f"ood:{seed}:{salt}")
 
 
 def _row(kind: str, dist, source: str, text: str) -> dict:

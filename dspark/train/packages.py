@@ -9,15 +9,13 @@ alone, so its prompts share no package, module or function with any training pro
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata as metadata
 import itertools
 import logging
-import random
 import re
 from typing import Iterator
 
-from dspark.train.prompts import CodeSource, code_sources
+from dspark.train.prompts import CodeSource, code_sources, keyed_rng
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +70,8 @@ def module_files(dist: metadata.Distribution) -> list[tuple[str, str]]:
 
 
 def _shuffled(items: list, seed: int, salt: str) -> list:
-    rng = random.Random(int.from_bytes(hashlib.sha256(f"{seed}:{salt}".encode()).digest()[:8], "big"))
     items = list(items)
-    rng.shuffle(items)
+    keyed_rng(f"{seed}:{salt}").shuffle(items)
     return items
 
 

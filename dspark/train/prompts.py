@@ -155,8 +155,14 @@ def module_summary(path: str) -> str | None:
     return summary if _good_summary(summary) else None
 
 
+def keyed_rng(key: str) -> random.Random:
+    """A generator seeded by a string's hash: the same key draws the same choices in every run
+    and on every machine (Python's own hash of a string is salted per process)."""
+    return random.Random(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big"))
+
+
 def _rng(uid: str, seed: int) -> random.Random:
-    return random.Random(int.from_bytes(hashlib.sha256(f"{seed}:{uid}".encode()).digest()[:8], "big"))
+    return keyed_rng(f"{seed}:{uid}")
 
 
 def _lower_first(text: str) -> str:
