@@ -116,6 +116,7 @@ def test_generated_prompts_respect_the_split(chat_llm):
             assert side.setdefault(k, is_heldout(p.group, 0.3)) == is_heldout(p.group, 0.3)
 
 
+@pytest.mark.slow
 def test_generate_data_with_self_prompts_writes_and_reuses_its_prompt_list(chat_llm, tmp_path):
     """`train-draft --generate-data --prompt-source self` end to end: the prompt list is kept
     beside the shards, and a rerun reads it and has nothing left to generate."""
