@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dspark.bench.roofline import read_bandwidth
+from dspark.runner.choice import interleaved_medians_ms
 from dspark.kernels import cpu as kernels
 from dspark.models.layers.linear import linear, pack_weight
 
@@ -250,14 +250,9 @@ def median_seconds(fns: list[Callable[[], object]], repetitions: int, min_second
     start = time.perf_counter()
     fns[0]()
     calls = max(1, int(min_seconds / max(time.perf_counter() - start, 1e-7)))
-    samples: list[list[float]] = [[] for _ in fns]
-    for _ in range(repetitions):
-        for fn, times in zip(fns, samples):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - start) / calls)
-    return [statistics.median(t) for t in samples]
+    loops = {i: (lambda fn=fn: [fn() for _ in range(calls)]) for i, fn in enumerate(fns)}
+    ms = interleaved_medians_ms(loops, replays=repetitions, warmup=0)
+    return [ms[i] / 1e3 / calls for i in range(len(fns))]
 
 
 def _figure(x: float) -> float:

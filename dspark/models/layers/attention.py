@@ -12,7 +12,6 @@ ragged rows as they are (varlen_attention.py, from `varlen`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,16 +38,6 @@ class AttentionMetadata:
     parts: tuple["AttentionPart", ...] | None = None   # a mixed step attended group by group
     token_keys: torch.Tensor | None = None  # [T, 3] each token's request, first key and end key
     varlen: VarlenMetadata | None = None  # the step for FlashAttention's variable-length kernel
-
-    def to(self, device: torch.device) -> "AttentionMetadata":
-        move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
-        parts = None if self.parts is None else tuple(
-            AttentionPart(move(p.rows), p.meta.to(device)) for p in self.parts)
-        return dataclasses.replace(
-            self, write_rows=move(self.write_rows), write_slots=move(self.write_slots),
-            block_tables=move(self.block_tables), q_index=move(self.q_index), mask=move(self.mask),
-            parts=parts, token_keys=move(self.token_keys),
-            varlen=None if self.varlen is None else self.varlen.to(device))
 
 
 @dataclass

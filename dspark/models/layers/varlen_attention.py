@@ -15,7 +15,6 @@ runs SDPA, warned once per reason and counted in STATS, so a slow step is never 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -48,12 +47,6 @@ class VarlenMetadata:
     block_table: torch.Tensor | None       # [R, NB] int32 each request's pages (paged only)
     seqused_k: torch.Tensor | None         # [R] int32 each request's context length (paged only)
     window: int | None = None              # sliding window in keys, the query's own included
-
-    def to(self, device: torch.device) -> "VarlenMetadata":
-        move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
-        return dataclasses.replace(
-            self, cu_seq_q=move(self.cu_seq_q), cu_seq_k=move(self.cu_seq_k), kv_index=move(self.kv_index),
-            block_table=move(self.block_table), seqused_k=move(self.seqused_k))
 
 
 @dataclass
