@@ -64,7 +64,9 @@ def reading_client(port: int, prompt: str, out: list, index: int) -> None:
 
 @pytest.mark.slow
 def test_clients_that_stop_reading_are_cut_off(long_target):
-    limits = ServerLimits(max_pending_outputs=8)
+    # a reader is sent READ_TOKENS outputs in all, fewer than the limit, so however long the
+    # machine keeps its thread from running it cannot be taken for a stalled one
+    limits = ServerLimits(max_pending_outputs=32)
     with serve(long_target, limits=limits, max_model_len=2048, kv_tokens=32_768, max_num_seqs=64,
                max_num_batched_tokens=512) as served:
         small_send_buffers(served)
