@@ -104,6 +104,8 @@ class SpecConfig:
     min_gain: float = option(0.05, "trim verification only for a predicted gain in tokens per "
                                    "millisecond of at least this fraction (0.05: 5%)")
     confidence_lag: int = option(2, "rounds between a confidence and its use in the budget")
+    max_kept_plans: int = option(16, "steps a plan that drafts nothing (or verifies everything "
+                                     "of a request alone) is kept without pricing; 0 prices every step")
 
     def resolve_embedded(self, model: str | None) -> None:
         """"embedded" names the shipped drafter (and its calibration) of the embedded target;
@@ -143,9 +145,9 @@ class SpecConfig:
             return
         if self.cost_table not in (None, "auto") and not os.path.exists(self.cost_table):
             raise FileNotFoundError(f"cost table {self.cost_table!r} does not exist")
-        if not self.min_gain >= 0 or self.confidence_lag < 1:
-            raise ValueError(f"min_gain must be >= 0 and confidence_lag >= 1, got "
-                             f"{self.min_gain} and {self.confidence_lag}")
+        if not self.min_gain >= 0 or self.confidence_lag < 1 or self.max_kept_plans < 0:
+            raise ValueError(f"min_gain must be >= 0, confidence_lag >= 1 and max_kept_plans >= 0, "
+                             f"got {self.min_gain}, {self.confidence_lag} and {self.max_kept_plans}")
 
 
 @dataclass

@@ -87,7 +87,7 @@ def non_default_argv(tmp_path) -> dict[str, list[str]]:
             "drafter": ["--drafter", str(drafter)], "sts": ["--sts", str(tmp_path / "sts.json")],
             "spec_schedule": ["--spec-schedule", "confidence"],
             "cost_table": ["--cost-table", str(tmp_path / "costs.json")], "min_gain": ["--min-gain", "0.2"],
-            "confidence_lag": ["--confidence-lag", "1"], "data_parallel_size": ["--dp", "2"],
+            "confidence_lag": ["--confidence-lag", "1"], "max_kept_plans": ["--max-kept-plans", "0"], "data_parallel_size": ["--dp", "2"],
             "dp_timeout_s": ["--dp-timeout", "7.5"], "dp_startup_timeout_s": ["--dp-startup-timeout", "60"],
             "dp_idle_wait_s": ["--dp-idle-wait", "9"], "dp_host": ["--dp-host", "10.0.0.2"],
             "dp_port": ["--dp-port", "29500"]}

@@ -63,7 +63,7 @@ def _engines(args, max_seqs: int) -> dict:
     if engines["verify-all"].engine.drafter is None:
         raise SystemExit("bench --mode sweep compares against a drafter: pass --drafter for this model")
     engines["default"] = LLM(args.model, drafter=args.drafter, cost_table=args.cost_table,
-                             min_gain=args.min_gain, **common)
+                             min_gain=args.min_gain, max_kept_plans=args.max_kept_plans, **common)
     return engines
 
 
@@ -106,6 +106,7 @@ def run_sweep_bench(args) -> dict:
             llm.generate(prompts[:c], warm)
         engines["default"].engine.reset_spec_stats()
         engines["verify-all"].engine.reset_spec_stats()
+        kept_before = engines["default"].engine.policy.kept_plans
         for _ in range(args.repetitions):
             for name in SYSTEMS:                   # interleaved: drift hits every system alike
                 runs[name].append(closed_loop(engines[name].engine, prompts, params, c)["tokens_per_s"])
@@ -117,7 +118,8 @@ def run_sweep_bench(args) -> dict:
         drafted_share.append(stats.draft_rounds / max(1, stats.draft_rounds + stats.undrafted_steps))
         policy.append({"predicted_accepted": round(stats.predicted_accepted_tokens, 1),
                        "accepted": stats.accepted_tokens, "verified": stats.verified_tokens,
-                       "verified_per_round": round(stats.verified_tokens / max(1, stats.draft_rounds), 2)})
+                       "verified_per_round": round(stats.verified_tokens / max(1, stats.draft_rounds), 2),
+                       "kept_plans": engines["default"].engine.policy.kept_plans - kept_before})
     png = plot_sweep(levels, medians, args.png)
     print(f"{args.output_tokens} tokens from each of max(c, {args.sweep_requests}) requests of "
           f"{args.input_tokens} prompt tokens, at most c in flight; medians of {args.repetitions}")

@@ -70,7 +70,7 @@ def spec_policy(config: EngineConfig, drafter: Drafter | None, gamma: int,
     else:
         table = CostTable.load(spec.cost_table)
         table.check_fingerprint(fingerprint)
-    return SpecPolicy(table, sts, gamma, spec.confidence_lag, spec.min_gain)
+    return SpecPolicy(table, sts, gamma, spec.confidence_lag, spec.min_gain, max_kept=spec.max_kept_plans)
 
 
 def _profile_config(config: EngineConfig, gamma: int, max_model_len: int) -> ProfileConfig:

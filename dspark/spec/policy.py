@@ -24,6 +24,16 @@ drafts fill the budget is decided on the device, allocate.py):
 
 This replaces per-request probes: a request left undrafted is priced at the population's
 acceptance within a few steps, which is what a probe priced it at.
+
+Pricing a step costs host time between steps that neither verify-all nor plain decoding
+has, and at the two ends of the load the answer rarely changes: under load nothing is
+drafted, alone a request verifies everything. So a plan at either end is kept without
+pricing for a stretch of 1, 2, 4 ... up to `max_kept` steps, doubling while priced plans
+keep giving the same answer. Drafting nothing ends with fewer candidates (a lighter step may
+pay) or a seeded request; verifying everything is kept for a request alone (with more, a
+drafted step costs enough that a wrong verify-all repeated would cost more than pricing) and
+ends with a second candidate or a prefill joining. Evidence still fades over kept steps, so exploration keeps its
+pace; a kept verify-all plan expects what its priced plan expected per request.
 """
 
 from __future__ import annotations
@@ -58,8 +68,8 @@ class StepContext:
 
 @dataclass
 class _RequestState:
+    last_drafted: int                               # the policy's step count when it last drafted
     history: deque = field(default_factory=deque)   # numpy [γ] calibrated survivals of recent rounds
-    steps_without_draft: int = 0
     priced: np.ndarray | None = None                # [γ] own survival the last drafted round was priced at
 
 
@@ -122,10 +132,11 @@ class AcceptanceModel:
 
 class SpecPolicy:
     def __init__(self, table: CostTable, sts: STSCalibration | None, gamma: int, lag: int = 2,
-                 min_gain: float = 0.05, half_life: float = 4.0, evidence_half_life: float = 64.0):
-        if lag < 1 or not half_life > 0 or not evidence_half_life > 0:
-            raise ValueError(f"the confidence lag must be >= 1 round and the half-lives > 0, got "
-                             f"{lag}, {half_life} and {evidence_half_life}")
+                 min_gain: float = 0.05, half_life: float = 4.0, evidence_half_life: float = 64.0,
+                 max_kept: int = 16):
+        if lag < 1 or not half_life > 0 or not evidence_half_life > 0 or max_kept < 0:
+            raise ValueError(f"the confidence lag must be >= 1 round, the half-lives > 0 and "
+                             f"max_kept >= 0, got {lag}, {half_life}, {evidence_half_life} and {max_kept}")
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
         self.half_life = half_life
         self.fade = 0.5 ** (1.0 / evidence_half_life)
@@ -134,12 +145,16 @@ class SpecPolicy:
         self.acceptance = AcceptanceModel(gamma)
         self.requests: dict[str, _RequestState] = {}
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
+        self.max_kept = max_kept
+        self.steps = 0                   # plans made, priced or kept
+        self.kept_plans = 0              # plans kept without pricing (stats)
+        self._steady = _Steady()
 
     # ---- what happened ------------------------------------------------------------------------
     def record(self, request_id: str, confidence_logits: list[float], verified: int, accepted: int) -> None:
         """A verified round: its outcome teaches the acceptance model; its confidences become the
         request's price for a later round."""
-        state = self.requests.setdefault(request_id, _RequestState())
+        state = self._state(request_id)
         self.acceptance.observe(state.priced, verified, accepted)
         state.priced = None
         state.history.append(self.survival_of(confidence_logits))
@@ -158,19 +173,38 @@ class SpecPolicy:
     def plan(self, candidates: list[Candidate], step: StepContext) -> StepPlan:
         """Which candidates draft and the verify budget over them."""
         self.acceptance.fade(self.fade)
+        self.steps += 1
         if not candidates:
             return StepPlan(drafted=[], budget=0, full=0)
+        kept = self._steady.plan(self.steps, candidates, step, self.gamma)
+        if kept is not None:
+            self.kept_plans += 1
+            if kept.budget:
+                self._drafted([self._state(c.request_id) for c in candidates], [True] * len(candidates))
+            return kept
         self._check_size(len(candidates), step)
-        states = [self.requests.setdefault(c.request_id, _RequestState()) for c in candidates]
+        states = [self._state(c.request_id) for c in candidates]
         own, survival = self._prices(candidates, states)
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
                          joining_tokens=step.joining_tokens)
         plan = _pin_seeded(plan, [c.pinned for c in candidates])
         plan.predicted_accepted = expected_accepted(survival, plan)
-        for state, x, drafted in zip(states, own, plan.drafted):
-            state.steps_without_draft = 0 if drafted else state.steps_without_draft + 1
-            state.priced = x if drafted else None
+        self._drafted(states, plan.drafted)
+        self._steady.after(self.steps, candidates, plan, self.max_kept)
         return plan
+
+    def _drafted(self, states: list[_RequestState], drafted: list[bool]) -> None:
+        """A drafted request's own price is what its round will be judged against."""
+        for state, d in zip(states, drafted):
+            if d:
+                state.last_drafted = self.steps
+            state.priced = state.history[0] if d and state.history else None
+
+    def _state(self, request_id: str) -> _RequestState:
+        state = self.requests.get(request_id)
+        if state is None:
+            state = self.requests[request_id] = _RequestState(last_drafted=self.steps)
+        return state
 
     def _prices(self, candidates: list[Candidate], states: list[_RequestState]
                 ) -> tuple[list[np.ndarray | None], np.ndarray]:
@@ -180,7 +214,7 @@ class SpecPolicy:
         mean = self.acceptance.mean
         own = [s.history[0] if s.history else None for s in states]
         rows = np.array([x if x is not None else mean for x in own])                      # [R, γ]
-        weight = np.array([0.5 ** (s.steps_without_draft / self.half_life) if x is not None else 0.0
+        weight = np.array([0.5 ** ((self.steps - s.last_drafted) / self.half_life) if x is not None else 0.0
                            for s, x in zip(states, own)])
         predicted = self.acceptance.predict(rows)
         survival = np.minimum.accumulate(mean + weight[:, None] * (predicted - mean), axis=1)
@@ -200,6 +234,36 @@ class SpecPolicy:
                            "draft); pricing it along the table's last slope (counted in "
                            "oversize_steps)", num_requests, tokens)
         self.oversize_steps += 1
+
+
+@dataclass
+class _Steady:
+    """A plan at either end (nothing drafted, or verify-all) kept for a stretch of steps
+    (SpecPolicy's docstring)."""
+    kind: str = ""          # "none", "all" or "" (nothing kept)
+    until: int = 0          # last step of the stretch
+    length: int = 0         # its length; doubles while priced plans give the same answer
+    candidates: int = 0     # candidates of the priced plan
+    expected: float = 0.0   # drafts it expected accepted per candidate ("all")
+
+    def plan(self, step: int, candidates: list[Candidate], ctx: StepContext, gamma: int) -> StepPlan | None:
+        n = len(candidates)
+        if step > self.until or not self.kind:
+            return None
+        full = n * gamma
+        if self.kind == "none" and n >= self.candidates and not any(c.pinned for c in candidates):
+            return StepPlan(drafted=[False] * n, budget=0, full=full)
+        if self.kind == "all" and n == 1 and ctx.joining_tokens == 0:
+            return StepPlan(drafted=[True] * n, budget=full, full=full, predicted_accepted=self.expected * n)
+        return None
+
+    def after(self, step: int, candidates: list[Candidate], plan: StepPlan, longest: int) -> None:
+        """A priced plan: at an end, a stretch twice the last at the same end; else none."""
+        kind = "none" if not any(plan.drafted) else "all" if plan.verify_all and len(candidates) == 1 else ""
+        same = kind and kind == self.kind
+        self.length = min(longest, 2 * self.length if same else 1) if kind else 0
+        self.kind, self.until, self.candidates = kind, step + self.length, len(candidates)
+        self.expected = plan.predicted_accepted / max(1, len(candidates))
 
 
 def expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:

@@ -24,7 +24,7 @@ def test_sweep_reports_every_system_at_every_level(tmp_path, capsys):
     args = types.SimpleNamespace(
         model=str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", threads=None,
         sweep_concurrency="1,3", sweep_requests=4, repetitions=1, input_tokens=6, output_tokens=5, data=None,
-        cost_table=None, min_gain=0.05, png=str(tmp_path / "sweep.png"), graph="eager", device="cpu",
+        cost_table=None, min_gain=0.05, max_kept_plans=16, png=str(tmp_path / "sweep.png"), graph="eager", device="cpu",
         prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
     report = run_sweep_bench(args)
     assert report["levels"] == [1, 3] and report["requests_per_level"] == [4, 4]

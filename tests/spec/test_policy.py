@@ -68,8 +68,8 @@ def test_old_confidences_fade_toward_the_population_mean():
     mean = policy.acceptance.mean
 
     def priced(age: int, request_id: str = "a") -> np.ndarray:
-        state = policy.requests.setdefault(request_id, type(policy.requests["a"])())
-        state.steps_without_draft = age
+        state = policy._state(request_id)
+        state.last_drafted = policy.steps - age
         return policy._prices([Candidate(request_id, 2)], [state])[1][0]
 
     assert priced(0).max() < 1e-3
@@ -140,7 +140,7 @@ def test_bad_arguments_are_refused():
 def test_only_steps_the_table_does_not_reach_are_warned_about(caplog):
     """A prefill joining the step is priced on top along the table's slope, as designed: no
     warning. More requests than the table holds: one warning, every such step counted."""
-    policy = SpecPolicy(TABLE, None, gamma=2, lag=1)
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, max_kept=0)
     with caplog.at_level("WARNING", logger="dspark.spec.policy"):
         policy.plan([Candidate("a", 2)], StepContext(other_tokens=1, num_sampling=1, joining_tokens=500))
         assert policy.oversize_steps == 0 and not caplog.records
@@ -148,3 +148,60 @@ def test_only_steps_the_table_does_not_reach_are_warned_about(caplog):
         for _ in range(2):
             policy.plan(many, StepContext(other_tokens=6, num_sampling=6))
     assert policy.oversize_steps == 2 and len(caplog.records) == 1
+
+
+def test_a_plan_that_drafts_nothing_is_kept_for_longer_stretches_until_fewer_requests_run():
+    """Drafting never pays: kept stretches of 1, 2, 4 steps follow the priced plans, then of
+    max_kept = 4; a step with fewer candidates is priced at once, and no kept step drafts."""
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, max_kept=4, evidence_half_life=1e9)
+    for _ in range(300):
+        policy.acceptance.observe(None, verified=2, accepted=0)
+    two = [Candidate("a", 2), Candidate("b", 2)]
+    step = StepContext(other_tokens=2, num_sampling=2)
+    priced = []
+    for i in range(1, 17):
+        kept = policy.kept_plans
+        plan = policy.plan(two, step)
+        assert not any(plan.drafted) and plan.budget == 0 and plan.full == 4
+        if policy.kept_plans == kept:
+            priced.append(i)
+    assert priced == [1, 3, 6, 11, 16]
+    kept = policy.kept_plans
+    policy.plan(two[:1], StepContext(other_tokens=1, num_sampling=1))
+    assert policy.kept_plans == kept                       # fewer candidates: priced
+
+
+def test_a_kept_undrafted_plan_ends_for_a_seeded_request_and_drafting_resumes_as_evidence_fades():
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, max_kept=8, evidence_half_life=16.0)
+    for _ in range(40):
+        policy.acceptance.observe(None, verified=2, accepted=0)
+    step = StepContext(other_tokens=2, num_sampling=2)
+    assert not policy.plan([Candidate("a", 2), Candidate("b", 2)], step).drafted[0]
+    seeded = policy.plan([Candidate("a", 2), Candidate("s", 2, pinned=True)], step)
+    assert seeded.drafted == [False, True] and seeded.budget == 4
+    waited = 0
+    while not policy.plan([Candidate("a", 2), Candidate("b", 2)], step).drafted[0]:
+        waited += 1
+        assert waited < 200
+    assert policy.kept_plans > 0
+
+
+def test_a_verify_all_plan_is_kept_until_more_requests_or_a_prefill_join():
+    """Sure drafts: the priced plan verifies everything and is kept (expecting what it expected
+    per request, every kept round priced for the acceptance model); a second candidate or a
+    prefill joining is priced at once."""
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, max_kept=8)
+    sure = [logit(0.99), logit(0.99)]
+    policy.record("a", sure, verified=2, accepted=2)
+    one, step = [Candidate("a", 2)], StepContext(other_tokens=1, num_sampling=1)
+    first = policy.plan(one, step)
+    assert first.verify_all and policy.kept_plans == 0
+    kept = policy.plan(one, step)
+    assert kept.verify_all and policy.kept_plans == 1
+    assert kept.predicted_accepted == pytest.approx(first.predicted_accepted)
+    assert policy.requests["a"].priced is not None and policy.requests["a"].last_drafted == policy.steps
+    policy.plan(one, StepContext(other_tokens=1, num_sampling=1, joining_tokens=50))
+    assert policy.kept_plans == 1
+    policy.plan(one, step)
+    policy.plan(one + [Candidate("b", 2)], StepContext(other_tokens=2, num_sampling=2))
+    assert policy.kept_plans == 2
