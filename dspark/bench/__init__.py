@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-MODES = ("plain", "spec", "serve", "sweep", "graphs", "dp", "kernels")
+MODES = ("plain", "spec", "serve", "sweep", "policy", "graphs", "dp", "kernels")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -30,6 +30,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-requests", type=int, default=8,
                    help="sweep: requests per level at least (a level of concurrency c runs max(c, this))")
     p.add_argument("--png", default="bench_sweep.png", help="sweep: where to write the plot")
+    p.add_argument("--ablate", default=None, choices=("kept-plans", "draft-overhead"),
+                   help="policy: the mechanism switched on and off in one engine")
     p.add_argument("--graph-backends", default="eager,compile",
                    help="graphs: comma-separated backends to compare (eager, compile, cuda)")
     p.add_argument("--graph-levels", default=None,
@@ -54,6 +56,9 @@ def run_bench(args: argparse.Namespace) -> None:
     elif args.mode == "sweep":
         from dspark.bench.sweep import run_sweep_bench
         run_sweep_bench(args)
+    elif args.mode == "policy":
+        from dspark.bench.policy_ab import run_policy_bench
+        run_policy_bench(args)
     elif args.mode == "graphs":
         from dspark.bench.graphs import run_graphs_bench
         run_graphs_bench(args)

@@ -286,7 +286,13 @@ class Engine:
         return self._commit(prepared.sched, self._execute(prepared, key))
 
     def _execute(self, prepared: PreparedStep, key: StepKey | None = None) -> StepResult:
-        return self.worker.execute(prepared.batch, key)       # ends in the step's one host copy
+        start = time.perf_counter()
+        result = self.worker.execute(prepared.batch, key)       # ends in the step's one host copy
+        sched = prepared.sched
+        if sched.plan is not None and all(s.sample and (s.spec or s.num_new_tokens == 1) for s in sched.scheduled):
+            tokens = sum(1 + v for v in result.verify_lens)       # decode steps alone are priced by the table
+            self.policy.observe_step(sched.plan, len(sched.scheduled), tokens, time.perf_counter() - start)
+        return result
 
     def _worker_batch(self, sched: SchedulerOutput) -> WorkerBatch:
         chunks, params, gens, spec, request_ids, prompt_lp = [], [], [], [], [], []

@@ -25,6 +25,15 @@ drafts fill the budget is decided on the device, allocate.py):
 This replaces per-request probes: a request left undrafted is priced at the population's
 acceptance within a few steps, which is what a probe priced it at.
 
+The table is measured with the machine warm and the step alone; in the engine a drafting step
+also pays what the table does not see (the held context appended, the verify lengths read
+back, rounds recorded, its host work between cache-cold steps), and it is that share, not the
+whole step, that decides whether drafting pays. So the policy learns it online from the step
+times the engine measures: at each drafted decode step, its time over its table price minus the
+same excess of plain decode steps just before it (common load cancels), averaged over drafted
+steps, is added to every drafter pass's price (never below the table). Without plain steps to
+compare with (a request alone that always drafts) nothing is learned and the table stands.
+
 Pricing a step costs host time between steps that neither verify-all nor plain decoding
 has, and at the two ends of the load the answer rarely changes: under load nothing is
 drafted, alone a request verifies everything. So a plan at either end is kept without
@@ -145,6 +154,7 @@ class SpecPolicy:
         self.acceptance = AcceptanceModel(gamma)
         self.requests: dict[str, _RequestState] = {}
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
+        self.overhead = DraftOverhead(table)
         self.max_kept = max_kept
         self.steps = 0                   # plans made, priced or kept
         self.kept_plans = 0              # plans kept without pricing (stats)
@@ -160,6 +170,10 @@ class SpecPolicy:
         state.history.append(self.survival_of(confidence_logits))
         while len(state.history) > self.lag:
             state.history.popleft()
+
+    def observe_step(self, plan: StepPlan, requests: int, tokens: int, seconds: float) -> None:
+        """A decode step ran (no prefill in it): its measured time against its table price."""
+        self.overhead.observe(sum(plan.drafted), requests, tokens, seconds * 1e3)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -200,6 +214,11 @@ class SpecPolicy:
                 state.last_drafted = self.steps
             state.priced = state.history[0] if d and state.history else None
 
+    def keep_plans(self, steps: int) -> None:
+        """Keep plans at either end for up to `steps` steps from now on (0: price every step)."""
+        self.max_kept = steps
+        self._steady.until = 0
+
     def _state(self, request_id: str) -> _RequestState:
         state = self.requests.get(request_id)
         if state is None:
@@ -234,6 +253,51 @@ class SpecPolicy:
                            "draft); pricing it along the table's last slope (counted in "
                            "oversize_steps)", num_requests, tokens)
         self.oversize_steps += 1
+
+
+class DraftOverhead:
+    """What a drafting step costs beyond its table price, relative to plain steps (the module's
+    docstring); applied by re-pricing the table's drafter passes."""
+
+    def __init__(self, table: CostTable, plain_weight: float = 0.05, draft_weight: float = 0.1,
+                 min_plain_steps: int = 8, resolution_ms: float = 0.05):
+        self.table, self.base = table, list(table.draft_ms)
+        self.plain_weight, self.draft_weight = plain_weight, draft_weight
+        self.min_plain_steps, self.resolution_ms = min_plain_steps, resolution_ms
+        self.plain_excess = 0.0      # ms: recent plain decode steps' time over their price (EMA)
+        self.plain_steps = 0
+        self.extra_ms = 0.0          # ms a drafting step pays beyond the table, net of load (EMA)
+        self.applied_ms = 0.0        # what the table's drafter passes carry now
+        self.enabled = True          # off: the table's own prices, nothing learned (A/B runs)
+
+    def set_enabled(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.applied_ms = -1.0                                    # re-price at once
+        self._apply()
+
+    def observe(self, drafted: int, requests: int, tokens: int, measured_ms: float) -> None:
+        if not self.enabled:
+            return
+        price = float(self.table.verify_costs(tokens, tokens + 1, requests)[0])
+        if drafted == 0:
+            excess = measured_ms - price
+            w = max(self.plain_weight, 1.0 / (self.plain_steps + 1))
+            self.plain_excess += w * (excess - self.plain_excess)
+            self.plain_steps += 1
+            return
+        if self.plain_steps < self.min_plain_steps:
+            return
+        draft = self.base[min(drafted, len(self.base) - 1)]
+        excess = measured_ms - price - draft - self.plain_excess
+        excess = min(max(excess, -draft), 3.0 * draft)         # one stalled step moves it little
+        self.extra_ms += self.draft_weight * (excess - self.extra_ms)
+        self._apply()
+
+    def _apply(self) -> None:
+        extra = max(0.0, self.extra_ms) if self.enabled else 0.0
+        if abs(extra - self.applied_ms) >= self.resolution_ms:
+            self.table.draft_ms = [self.base[0]] + [c + extra for c in self.base[1:]]
+            self.applied_ms = extra
 
 
 @dataclass

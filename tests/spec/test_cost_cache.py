@@ -103,3 +103,4 @@ def test_a_steep_table_never_calls_the_drafter_and_a_flat_one_verifies_all(
     else:
         assert not calls and stats.draft_rounds == 0 and stats.undrafted_steps > 0
         assert llm.engine.policy.kept_plans > 0        # most of those steps were not priced at all
+        assert llm.engine.policy.overhead.plain_steps > 0      # the engine reports its decode steps

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from dspark.spec.planner import CostTable
+from dspark.spec.planner import CostTable, StepPlan
 from dspark.spec.policy import AcceptanceModel, Candidate, SpecPolicy, StepContext
 
 # batch 1 on a cheap drafter: drafting pays when the first draft is accepted over ~25% of rounds
@@ -205,3 +205,40 @@ def test_a_verify_all_plan_is_kept_until_more_requests_or_a_prefill_join():
     policy.plan(one, step)
     policy.plan(one + [Candidate("b", 2)], StepContext(other_tokens=2, num_sampling=2))
     assert policy.kept_plans == 2
+
+
+def test_a_drafting_step_is_priced_at_what_it_costs_beyond_plain_steps_not_at_the_load():
+    """Plain decode steps run 2 ms over their price (load), drafted ones 2 + 1.5 ms over theirs:
+    the drafter passes are re-priced 1.5 ms dearer. Load that then slows plain steps alone moves
+    nothing until a drafted step is seen; drafting cheaper than the table never prices below it."""
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [11.0] * 8, draft_ms=[0.0] + [2.0] * 4)
+    policy = SpecPolicy(table, None, gamma=2, lag=1)
+    plain, drafted = StepPlan([False, False], 0, 4), StepPlan([True, True], 4, 4)
+    for _ in range(5):
+        policy.observe_step(drafted, requests=2, tokens=6, seconds=(11.0 + 2.0 + 9.0) / 1e3)
+    assert table.draft_ms == [0.0] + [2.0] * 4                # no plain steps to compare with yet
+    for _ in range(40):
+        policy.observe_step(plain, requests=2, tokens=2, seconds=(10.0 + 2.0) / 1e3)
+        policy.observe_step(drafted, requests=2, tokens=6, seconds=(11.0 + 2.0 + 2.0 + 1.5) / 1e3)
+    assert table.draft_ms[1:] == pytest.approx([3.5] * 4, abs=0.1)
+    for _ in range(40):
+        policy.observe_step(plain, requests=2, tokens=2, seconds=(10.0 + 6.0) / 1e3)
+    assert table.draft_ms[1:] == pytest.approx([3.5] * 4, abs=0.1)
+    for _ in range(60):
+        policy.observe_step(drafted, requests=2, tokens=6, seconds=(11.0 + 6.0 + 0.5) / 1e3)
+    assert table.draft_ms == [0.0] + [2.0] * 4
+
+
+def test_switched_off_the_learned_overhead_leaves_the_table_and_back_on_restores_it():
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 12, draft_ms=[0.0] + [2.0] * 4)
+    policy = SpecPolicy(table, None, gamma=2, lag=1)
+    plain, drafted = StepPlan([False], 0, 2), StepPlan([True], 2, 2)
+    for _ in range(40):
+        policy.observe_step(plain, requests=1, tokens=1, seconds=10.0 / 1e3)
+        policy.observe_step(drafted, requests=1, tokens=3, seconds=14.0 / 1e3)
+    assert table.draft_ms[1] == pytest.approx(4.0, abs=0.1)
+    policy.overhead.set_enabled(False)
+    policy.observe_step(drafted, requests=1, tokens=3, seconds=30.0 / 1e3)
+    assert table.draft_ms[1] == 2.0
+    policy.overhead.set_enabled(True)
+    assert table.draft_ms[1] == pytest.approx(4.0, abs=0.1)

@@ -33,6 +33,9 @@ class ForcedBudget:
     def record(self, request_id, z, verified, accepted):
         pass
 
+    def observe_step(self, plan, requests, tokens, seconds):
+        assert tokens >= requests >= len(plan.drafted) and seconds > 0
+
     def forget(self, request_id):
         pass
 

@@ -1,0 +1,79 @@
+"""`dspark bench --mode policy`: one of the speculation policy's mechanisms on and off in the
+same engine, interleaved with plain decoding, by concurrency (the sweep's closed loop and
+prompts). Two engines built alike differ by several percent on a shared CPU (memory placement),
+more than a mechanism moves, so the mechanism is switched on the one engine between runs.
+
+Mechanisms: `kept-plans` (plans at either end kept without pricing, against pricing every
+step) and `draft-overhead` (drafting steps priced at what they cost in the engine, learned
+online, against the table's prices alone).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from dspark.bench.closed_loop import closed_loop
+from dspark.bench.sweep import fixed_length
+
+MECHANISMS = ("kept-plans", "draft-overhead")
+
+
+def switch(policy, mechanism: str, on: bool, kept: int) -> None:
+    if mechanism == "kept-plans":
+        policy.keep_plans(kept if on else 0)
+    else:
+        policy.overhead.set_enabled(on)
+
+
+def run_policy_bench(args) -> dict:
+    from dspark import LLM, SamplingParams
+    if args.ablate not in MECHANISMS:
+        raise SystemExit(f"bench --mode policy needs --ablate, one of {', '.join(MECHANISMS)}")
+    levels = [int(c) for c in str(args.sweep_concurrency).split(",") if c.strip()]
+    common = dict(dtype=args.dtype, device=args.device, num_threads=args.threads,
+                  max_num_seqs=max(levels), graph=args.graph)
+    plain = LLM(args.model, drafter=None, **common)
+    spec = LLM(args.model, drafter=args.drafter, cost_table=args.cost_table, min_gain=args.min_gain,
+               max_kept_plans=args.max_kept_plans, **common)
+    policy = spec.engine.policy
+    if policy is None:
+        raise SystemExit("bench --mode policy needs the confidence schedule and a drafter")
+    kinds = args.prompt_source(args.data, plain.tokenizer, 64)
+    pool = [p for pair in zip(kinds["chat"], kinds["code"]) for p in pair]
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    rows = []
+    for c in levels:
+        prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
+        for llm in (plain, spec):
+            llm.generate(prompts[:c], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        runs = {"plain": [], "on": [], "off": []}
+        drafted = {"on": [0, 0], "off": [0, 0]}
+        for _ in range(args.repetitions):
+            runs["plain"].append(closed_loop(plain.engine, prompts, params, c)["tokens_per_s"])
+            for state in ("on", "off"):
+                switch(policy, args.ablate, state == "on", args.max_kept_plans)
+                spec.engine.reset_spec_stats()
+                runs[state].append(closed_loop(spec.engine, prompts, params, c)["tokens_per_s"])
+                s = spec.engine.spec_stats
+                drafted[state][0] += s.draft_rounds
+                drafted[state][1] += s.draft_rounds + s.undrafted_steps
+        switch(policy, args.ablate, True, args.max_kept_plans)
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        rows.append({"concurrency": c, "tokens_per_s": {k: round(v, 1) for k, v in med.items()},
+                     "on_over_off": round(med["on"] / med["off"], 3),
+                     "on_over_plain": round(med["on"] / med["plain"], 3),
+                     "drafted_share": {k: round(a / max(1, b), 3) for k, (a, b) in drafted.items()}})
+    print(f"{args.ablate} on and off in one engine; {args.output_tokens} tokens from max(c, "
+          f"{args.sweep_requests}) requests of {args.input_tokens} prompt tokens; medians of {args.repetitions}")
+    print("concurrency | plain tok/s | on tok/s | off tok/s | on / off | on / plain | drafted on / off")
+    print("---|---|---|---|---|---|---")
+    for r in rows:
+        t, d = r["tokens_per_s"], r["drafted_share"]
+        print(f"{r['concurrency']} | {t['plain']} | {t['on']} | {t['off']} | {r['on_over_off']:.3f}x | "
+              f"{r['on_over_plain']:.3f}x | {d['on']:.1%} / {d['off']:.1%}")
+    report = {"bench": "policy", "mechanism": args.ablate, "repetitions": args.repetitions,
+              "input_tokens": args.input_tokens, "output_tokens": args.output_tokens, "levels": rows,
+              "draft_overhead_ms": round(policy.overhead.extra_ms, 3)}
+    print(json.dumps(report))
+    return report
