@@ -34,15 +34,15 @@ same excess of plain decode steps just before it (common load cancels), averaged
 steps, is added to every drafter pass's price (never below the table). Without plain steps to
 compare with (a request alone that always drafts) nothing is learned and the table stands.
 
-Pricing a step costs host time between steps that neither verify-all nor plain decoding
-has, and at the two ends of the load the answer rarely changes: under load nothing is
-drafted, alone a request verifies everything. So a plan at either end is kept without
-pricing for a stretch of 1, 2, 4 ... up to `max_kept` steps, doubling while priced plans
-keep giving the same answer. Drafting nothing ends with fewer candidates (a lighter step may
-pay) or a seeded request; verifying everything is kept for a request alone (with more, a
-drafted step costs enough that a wrong verify-all repeated would cost more than pricing) and
-ends with a second candidate or a prefill joining. Evidence still fades over kept steps, so exploration keeps its
-pace; a kept verify-all plan expects what its priced plan expected per request.
+Pricing a step costs host time between steps that neither verify-all nor plain decoding has,
+and at the two ends of the load the answer rarely changes: under load nothing is drafted,
+alone a request verifies everything. So a plan at either end is kept without pricing for a
+stretch of 1, 2, 4 ... up to `max_kept` steps, doubling while priced plans keep giving the
+same answer. Drafting nothing ends with fewer candidates (a lighter step may pay) or a seeded
+request. Verifying everything is kept for a request alone only (with more, a drafted step
+costs enough that a wrong verify-all repeated costs more than pricing) and ends with a second
+candidate or a prefill joining. Evidence still fades over kept steps, so exploration keeps
+its pace; a kept verify-all plan expects what its priced plan expected per request.
 """
 
 from __future__ import annotations
