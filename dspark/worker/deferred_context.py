@@ -12,11 +12,16 @@ tensors, and the copies that join them, had slowed every large allocation of the
 is full, the rows of released blocks are dropped and, if at least half of it is still live,
 the rest are appended.
 
-Order is what keeps this exact: the rows are appended in the order their steps ran, and before
-any later step's own rows, so a slot that was freed and handed to another request ends with its
-new owner's K/V, as it would have with every append on time. A row is dropped only when its
-block was released after the row was held; a block released and handed on keeps its new
-owner's rows. The drafter only ever reads its cache in a drafting step, after the flush.
+Order is what keeps this exact: the rows are appended in the order their steps ran, so a slot
+that was freed and handed to another request ends with its new owner's K/V, as it would have
+with every append on time. A row is dropped only when its block was released after the row was
+held; a block released and handed on keeps its new owner's rows. So after dropping, every held
+row of a block is its current owner's, and a drafting step appends only the rows in the blocks
+of the requests it drafts: the drafter reads no other request's cache, and the rows left held
+are positions their owners never write again (a held row is a prompt or a plain decode row,
+never a draft that could be rejected and rewritten), so a later step's direct append of other
+positions cannot be undone by them. Under load one request tried now and then no longer pays
+for appending every other request's held rows.
 """
 
 from __future__ import annotations
@@ -92,17 +97,24 @@ class DeferredContext:
         if 2 * self.num_rows >= self.max_rows(self.aux.shape[1], self.aux.element_size()):
             self.flush(append)
 
-    def flush(self, append: Append) -> int:
-        """Append every live held row in step order, in one call; returns the rows appended."""
+    def flush(self, append: Append, blocks: torch.Tensor | None = None) -> int:
+        """Append the live held rows in step order, in one call: all of them, or those in
+        `blocks` [B] (the KV blocks of the requests about to draft; the others stay held).
+        Returns the rows appended."""
         self._compact()
-        if self.num_rows == 0:
+        n = self.num_rows
+        if n == 0:
             return 0
-        n, slots = self.num_rows, self.slots[:self.num_rows]
+        take = None if blocks is None else torch.isin(self.slots[:n] // self.block_size, blocks)   # [n]
+        rows = torch.arange(n, device=self.device) if take is None else take.nonzero().squeeze(1)
+        if rows.shape[0] == 0:
+            return 0
+        slots = self.slots[rows]
         # a slot written by two held steps (freed and handed on in between) keeps the later
         # write: index_copy_ with a repeated slot could keep either
         last = _last_writes(slots)
-        append(self.aux[:n], self.positions[:n], last, slots[last])
-        self.num_rows = 0
+        append(self.aux[rows], self.positions[rows], last, slots[last])
+        self._keep((~take).nonzero().squeeze(1) if take is not None else rows[:0])
         self.flushes += 1
         return int(last.shape[0])
 
@@ -129,13 +141,16 @@ class DeferredContext:
         if n == 0:
             return
         # dropping rows makes a data-dependent row count (one host sync on a GPU, per flush)
-        keep = self.released_at[self.slots[:n] // self.block_size] <= self.index[:n]        # [n]
-        live = keep.nonzero().squeeze(1)
-        m = int(live.shape[0])
-        if m < n:
+        live = (self.released_at[self.slots[:n] // self.block_size] <= self.index[:n]).nonzero().squeeze(1)
+        self.dropped_rows += n - int(live.shape[0])
+        self._keep(live)
+
+    def _keep(self, rows: torch.Tensor) -> None:
+        """Hold just `rows` [m] (ascending indices of held rows), moved to the front in order."""
+        m = int(rows.shape[0])
+        if 0 < m < self.num_rows:
             for buffer in (self.aux, self.positions, self.slots, self.index):
-                buffer[:m] = buffer[live]
-        self.dropped_rows += n - m
+                buffer[:m] = buffer[rows]
         self.num_rows = m
 
 

@@ -61,7 +61,8 @@ class Worker:
         blocks = [i for i, s in enumerate(batch.spec) if s]
         proposal = lens = None
         if blocks:
-            self.deferred.flush(self._append)                                      # the drafter reads all context
+            drafting = {b for i in blocks for b in batch.sampling[i].block_table}
+            self.deferred.flush(self._append, device_tensor(sorted(drafting), torch.long, self.device))
             ids = [batch.request_ids[i] for i in blocks] if batch.request_ids is not None else None
             proposal = self._draft(batch.sampling, blocks, st, ids, key)
             batch, lens = self._verify_lengths(batch, blocks, proposal)

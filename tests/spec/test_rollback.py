@@ -4,6 +4,7 @@ what a fresh prefill of the committed tokens writes, for the target and the draf
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.spec.planner import StepPlan
 from tiny import save_random_drafter, save_tiny, speculating
 
 
@@ -45,6 +46,61 @@ def test_committed_kv_equals_fresh_prefill(tmp_path):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     # the block table holds nothing past the anchor's block
     assert len(seq.block_table) == spec.block_manager.blocks_needed(n + 1)
+
+
+class DraftsOnly:
+    """Stands in for the policy: the requests in `ids` draft (every draft verified), others not."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def plan(self, candidates, step):
+        return StepPlan([c.request_id in self.ids for c in candidates], 10 ** 6, 10 ** 6)
+
+    def record(self, *args):
+        pass
+
+    def forget(self, request_id):
+        pass
+
+    def observe_step(self, *args):
+        pass
+
+
+def test_rows_held_past_another_requests_drafting_steps_reach_the_drafter_intact(tmp_path):
+    """Two requests; only the first drafts for a while (each of its drafting steps appends its
+    own held rows alone), then both do: each request's drafter K/V of committed positions is a
+    fresh prefill's."""
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=4)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
+
+    def llm():
+        return LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), block_size=4,
+                   max_model_len=128, kv_cache_bytes=1 << 20, graph="eager")
+
+    engine = llm().engine
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    a = engine.add_request([3, 9, 4, 7, 11], params)
+    b = engine.add_request([5, 6, 8, 2, 10, 12, 1], params)
+    engine.policy = engine.scheduler.policy = DraftsOnly({a})
+    for _ in range(6):
+        engine.step()
+    assert engine.worker.deferred.num_rows > 0                 # b's rows still held
+    engine.policy.ids = {a, b}
+    for _ in range(3):
+        engine.step()
+    assert engine.worker.deferred.num_rows == 0
+    for rid in (a, b):
+        seq = engine.requests[rid]
+        n = seq.num_computed_tokens
+        fresh = llm().engine
+        fid = fresh.add_request(seq.all_token_ids[:n], SamplingParams(temperature=0, max_tokens=1))
+        fresh.worker.execute(fresh._worker_batch(fresh.scheduler.schedule()))
+        fresh.worker.sync_draft_context()
+        _, got = committed_kv(engine, seq, n)
+        _, ref = committed_kv(fresh, fresh.requests[fid], n)
+        for x, y in zip(got, ref):
+            assert torch.allclose(x, y, atol=1e-5), (rid, (x - y).abs().max())
 
 
 def test_cli_generate_with_drafter_prints_stats(tmp_path, capsys):

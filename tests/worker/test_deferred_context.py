@@ -58,6 +58,29 @@ def test_held_steps_append_what_step_by_step_appends_write(tmp_path):
         assert not torch.equal(k[5], torch.zeros_like(k[5]))
 
 
+def test_a_drafting_step_appends_the_rows_of_its_requests_blocks_alone_and_the_rest_later(tmp_path):
+    """Held rows in blocks 1, 2 and 3 (block size 4); the requests drafting own block 2: its row
+    alone is appended, the others stay held in step order, and appending them later leaves the
+    cache as step-by-step appends would."""
+    drafter = _drafter(tmp_path)
+    steps = _steps(drafter, torch.Generator().manual_seed(2))
+    reference, held = _caches(drafter), _caches(drafter)
+    deferred = DeferredContext(4, 4, torch.device("cpu"))
+    with torch.inference_mode():
+        for aux, pos, rows, slots in steps:
+            append_context(drafter, reference, aux, pos, rows, slots)
+            deferred.hold(aux, pos, rows, slots)
+        assert deferred.flush(_into(drafter, held), torch.tensor([2])) == 1
+        assert deferred.num_rows == 5 and deferred.slots[:5].tolist() == [4, 5, 6, 5, 12]
+        for (k, _), (rk, _) in zip(held, reference):
+            assert torch.allclose(k[9], rk[9], atol=1e-6)
+            assert not k[[4, 5, 6, 12]].any()                     # still held, not written
+        assert deferred.flush(_into(drafter, held), torch.tensor([0])) == 0   # nothing of block 0
+        assert deferred.flush(_into(drafter, held)) == 4 and deferred.num_rows == 0
+    for (k, v), (rk, rv) in zip(held, reference):
+        assert torch.allclose(k, rk, atol=1e-6) and torch.allclose(v, rv, atol=1e-6)
+
+
 def test_rows_of_a_block_released_after_them_are_dropped_and_a_reused_block_keeps_its_new_rows(tmp_path):
     drafter = _drafter(tmp_path)
     steps = _steps(drafter, torch.Generator().manual_seed(1))
