@@ -36,7 +36,8 @@ from dspark.host_copy import device_tensor
 # context append (Runner.append_context over the drafter's cache)
 Append = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
 
-DEFAULT_MAX_BYTES = 64 << 20     # held features; the rows of about 11,000 tokens for SmolLM2-135M
+DEFAULT_MAX_BYTES = 256 << 20    # held features; the rows of about 77,000 tokens for SmolLM2-135M in bf16
+DONE = -2                        # the hold stamp of a row already appended (below every release stamp)
 FIRST_ROWS = 256                 # the buffer's first size; it doubles as steps hold more
 
 
@@ -57,6 +58,7 @@ class DeferredContext:
         self.deferred_steps = 0        # steps whose append was deferred (stats)
         self.flushes = 0               # appends of held rows
         self.dropped_rows = 0          # rows of released blocks never appended
+        self.done_rows = 0             # rows appended by a drafting step, still in the buffer
 
     def max_rows(self, width: int, element_size: int) -> int:
         return max(1, self.max_bytes // (width * element_size))
@@ -100,23 +102,34 @@ class DeferredContext:
     def flush(self, append: Append, blocks: torch.Tensor | None = None) -> int:
         """Append the live held rows in step order, in one call: all of them, or those in
         `blocks` [B] (the KV blocks of the requests about to draft; the others stay held).
+        Rows appended from `blocks` are marked done where they lie (moving every held row at
+        each drafting step would cost as much as the rows), and go at the next compaction.
         Returns the rows appended."""
-        self._compact()
         n = self.num_rows
         if n == 0:
             return 0
-        take = None if blocks is None else torch.isin(self.slots[:n] // self.block_size, blocks)   # [n]
-        rows = torch.arange(n, device=self.device) if take is None else take.nonzero().squeeze(1)
-        if rows.shape[0] == 0:
-            return 0
-        slots = self.slots[rows]
-        # a slot written by two held steps (freed and handed on in between) keeps the later
-        # write: index_copy_ with a repeated slot could keep either
-        last = _last_writes(slots)
-        append(self.aux[rows], self.positions[rows], last, slots[last])
-        self._keep((~take).nonzero().squeeze(1) if take is not None else rows[:0])
-        self.flushes += 1
-        return int(last.shape[0])
+        live = self._live(n)                                                              # [n]
+        take = live if blocks is None else live & torch.isin(self.slots[:n] // self.block_size, blocks)
+        rows = take.nonzero().squeeze(1)
+        taken = int(rows.shape[0])
+        if taken:
+            slots = self.slots[rows]
+            # a slot written by two held steps (freed and handed on in between) keeps the later
+            # write: index_copy_ with a repeated slot could keep either
+            last = _last_writes(slots)
+            append(self.aux[rows], self.positions[rows], last, slots[last])
+            self.flushes += 1
+        if blocks is None or taken == int(live.sum()):                # nothing left to append
+            self.dropped_rows += n - taken - self.done_rows
+            self.num_rows = self.done_rows = 0
+        elif taken:
+            self.index[rows] = DONE
+            self.done_rows += taken
+        return int(last.shape[0]) if taken else 0
+
+    def pending(self) -> int:
+        """Held rows still to append (live: not done, their block not released after them)."""
+        return int(self._live(self.num_rows).sum()) if self.num_rows else 0
 
     def _reserve(self, rows: int, like: torch.Tensor) -> None:
         """Buffers of at least `rows` rows, doubled from FIRST_ROWS, the held rows kept."""
@@ -135,22 +148,23 @@ class DeferredContext:
         self.positions, self.slots, self.index = (torch.cat([t[:n], t.new_empty(size - n)])
                                                   for t in (self.positions, self.slots, self.index))
 
+    def _live(self, n: int) -> torch.Tensor:
+        """[n] held rows still to append: not done, and their block not released after them."""
+        return self.released_at[self.slots[:n] // self.block_size] <= self.index[:n]
+
     def _compact(self) -> None:
-        """Move the held rows whose block was not released after them to the front."""
+        """Move the live held rows to the front, in order; dropped and done rows go."""
         n = self.num_rows
         if n == 0:
             return
-        # dropping rows makes a data-dependent row count (one host sync on a GPU, per flush)
-        live = (self.released_at[self.slots[:n] // self.block_size] <= self.index[:n]).nonzero().squeeze(1)
-        self.dropped_rows += n - int(live.shape[0])
-        self._keep(live)
-
-    def _keep(self, rows: torch.Tensor) -> None:
-        """Hold just `rows` [m] (ascending indices of held rows), moved to the front in order."""
-        m = int(rows.shape[0])
-        if 0 < m < self.num_rows:
+        # dropping rows makes a data-dependent row count (one host sync on a GPU)
+        live = self._live(n).nonzero().squeeze(1)
+        m = int(live.shape[0])
+        self.dropped_rows += n - m - self.done_rows
+        self.done_rows = 0
+        if 0 < m < n:
             for buffer in (self.aux, self.positions, self.slots, self.index):
-                buffer[:m] = buffer[rows]
+                buffer[:m] = buffer[live]
         self.num_rows = m
 
 

@@ -85,11 +85,11 @@ def test_rows_held_past_another_requests_drafting_steps_reach_the_drafter_intact
     engine.policy = engine.scheduler.policy = DraftsOnly({a})
     for _ in range(6):
         engine.step()
-    assert engine.worker.deferred.num_rows > 0                 # b's rows still held
+    assert engine.worker.deferred.pending() > 0                # b's rows still held
     engine.policy.ids = {a, b}
     for _ in range(3):
         engine.step()
-    assert engine.worker.deferred.num_rows == 0
+    assert engine.worker.deferred.pending() == 0
     for rid in (a, b):
         seq = engine.requests[rid]
         n = seq.num_computed_tokens
