@@ -76,6 +76,8 @@ class DeferredContext:
             raise ValueError("the held context rows would exceed max_bytes: make room first")
         if write_rows is not None:
             aux_hidden, positions = aux_hidden[write_rows], positions[write_rows]
+        if self.aux is not None and self.num_rows + aux_hidden.shape[0] > self.aux.shape[0]:
+            self._compact()                  # dropped and done rows go before the buffer grows
         start, stop = self.num_rows, self.num_rows + aux_hidden.shape[0]
         self._reserve(stop, aux_hidden)
         self.aux[start:stop] = aux_hidden
