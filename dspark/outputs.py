@@ -76,6 +76,11 @@ class SpecStats:
                                                        - before.predicted_accepted_tokens))
 
     @property
+    def drafted_share(self) -> float:
+        """Request decode steps that drafted, of all of them (the rest the policy left plain)."""
+        return self.draft_rounds / max(1, self.draft_rounds + self.undrafted_steps)
+
+    @property
     def acceptance_rate(self) -> float:
         """Accepted over verified drafts (trimmed drafts are not rejections)."""
         return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0

@@ -14,7 +14,8 @@ import json
 import statistics
 
 from dspark.bench.closed_loop import closed_loop
-from dspark.bench.sweep import fixed_length
+from dspark.outputs import SpecStats
+from dspark.bench.sweep import fixed_length, prompt_pool
 
 MECHANISMS = ("kept-plans", "draft-overhead")
 
@@ -39,8 +40,7 @@ def run_policy_bench(args) -> dict:
     policy = spec.engine.policy
     if policy is None:
         raise SystemExit("bench --mode policy needs the confidence schedule and a drafter")
-    kinds = args.prompt_source(args.data, plain.tokenizer, 64)
-    pool = [p for pair in zip(kinds["chat"], kinds["code"]) for p in pair]
+    pool = prompt_pool(args, plain.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     rows = []
     for c in levels:
@@ -48,22 +48,20 @@ def run_policy_bench(args) -> dict:
         for llm in (plain, spec):
             llm.generate(prompts[:c], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         runs = {"plain": [], "on": [], "off": []}
-        drafted = {"on": [0, 0], "off": [0, 0]}
+        drafted = {"on": [], "off": []}
         for _ in range(args.repetitions):
             runs["plain"].append(closed_loop(plain.engine, prompts, params, c)["tokens_per_s"])
             for state in ("on", "off"):
                 switch(policy, args.ablate, state == "on", args.max_kept_plans)
                 spec.engine.reset_spec_stats()
                 runs[state].append(closed_loop(spec.engine, prompts, params, c)["tokens_per_s"])
-                s = spec.engine.spec_stats
-                drafted[state][0] += s.draft_rounds
-                drafted[state][1] += s.draft_rounds + s.undrafted_steps
+                drafted[state].append(spec.engine.spec_stats)
         switch(policy, args.ablate, True, args.max_kept_plans)
         med = {k: statistics.median(v) for k, v in runs.items()}
         rows.append({"concurrency": c, "tokens_per_s": {k: round(v, 1) for k, v in med.items()},
                      "on_over_off": round(med["on"] / med["off"], 3),
                      "on_over_plain": round(med["on"] / med["plain"], 3),
-                     "drafted_share": {k: round(a / max(1, b), 3) for k, (a, b) in drafted.items()}})
+                     "drafted_share": {k: round(SpecStats.total(v).drafted_share, 3) for k, v in drafted.items()}})
     print(f"{args.ablate} on and off in one engine; {args.output_tokens} tokens from max(c, "
           f"{args.sweep_requests}) requests of {args.input_tokens} prompt tokens; medians of {args.repetitions}")
     print("concurrency | plain tok/s | on tok/s | off tok/s | on / off | on / plain | drafted on / off")

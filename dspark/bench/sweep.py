@@ -35,6 +35,12 @@ def fixed_length(prompts: list[list[int]], length: int, n: int) -> list[list[int
     return out
 
 
+def prompt_pool(args, tokenizer) -> list[list[int]]:
+    """Chat and code prompts alternating, so every level mixes both kinds."""
+    kinds = args.prompt_source(args.data, tokenizer, 64)
+    return [p for pair in zip(kinds["chat"], kinds["code"]) for p in pair]
+
+
 def best_plan_gain(table, acceptance, requests: int) -> float:
     """What the best plan the cost table allows gains over plain decoding, in tokens per ms, for
     `requests` decoding requests whose drafts survive as the verify-all engine measured in the
@@ -91,8 +97,7 @@ def run_sweep_bench(args) -> dict:
     from dspark import SamplingParams
     levels = [int(c) for c in str(args.sweep_concurrency).split(",") if c.strip()]
     engines = _engines(args, max(levels))
-    kinds = args.prompt_source(args.data, engines["plain"].tokenizer, 64)
-    pool = [p for pair in zip(kinds["chat"], kinds["code"]) for p in pair]
+    pool = prompt_pool(args, engines["plain"].tokenizer)
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     medians: dict[str, list[float]] = {name: [] for name in SYSTEMS}
@@ -115,7 +120,7 @@ def run_sweep_bench(args) -> dict:
         table = engines["default"].engine.policy.table
         bounds.append(medians["plain"][-1] * best_plan_gain(table, engines["verify-all"].engine.spec_stats, c))
         stats = engines["default"].engine.spec_stats
-        drafted_share.append(stats.draft_rounds / max(1, stats.draft_rounds + stats.undrafted_steps))
+        drafted_share.append(stats.drafted_share)
         policy.append({"predicted_accepted": round(stats.predicted_accepted_tokens, 1),
                        "accepted": stats.accepted_tokens, "verified": stats.verified_tokens,
                        "verified_per_round": round(stats.verified_tokens / max(1, stats.draft_rounds), 2),
