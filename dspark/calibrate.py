@@ -15,16 +15,19 @@ logger = logging.getLogger(__name__)
 
 def run_calibration(llm: LLM, prompts: list, params: SamplingParams, dataset: str = "",
                     use_tqdm: bool = True) -> STSCalibration:
-    """Decode speculatively (verify-all) and fit one temperature per position on the records."""
+    """Decode speculatively and fit one temperature per position on the records. Every request
+    drafts with every draft verified, whatever the engine's policy: rounds the policy chose by
+    their confidences would be a sample selected on the very quantity being calibrated."""
     engine = llm.engine
     if engine.drafter is None or not engine.drafter.config.enable_confidence_head:
         raise ValueError("calibration needs a drafter with a confidence head")
-    engine.confidence_records = []
+    engine.confidence_records, policy = [], engine.scheduler.policy
+    engine.scheduler.policy = None                                  # verify-all
     try:
         llm.generate(prompts, params, use_tqdm=use_tqdm)
         records = engine.confidence_records
     finally:
-        engine.confidence_records = None
+        engine.confidence_records, engine.scheduler.policy = None, policy
     if not records:
         raise ValueError("no full verify rounds were recorded: use longer outputs or more prompts")
     logits = torch.tensor([z for z, _ in records])                 # [N, γ]

@@ -22,8 +22,11 @@ drafts fill the budget is decided on the device, allocate.py):
   stop all drafting for good (nothing drafted, nothing learned): the fade makes the policy try
   again after a while, at the price of one drafted step now and then where drafting does not pay.
 
-This replaces per-request probes: a request left undrafted is priced at the population's
-acceptance within a few steps, which is what a probe priced it at.
+A request left undrafted is priced at the population's acceptance within a few steps. While
+that acceptance rests on less than `probe_rounds` rounds of evidence (at the start, and each time
+the fade has worn it away), it is mostly the optimistic prior, so only one request may draft: one
+that never drafted, else the one undrafted longest. Such a probe costs one request's drafter pass and block instead of every
+request's, and its round is the evidence the next priced plans need.
 
 The table is measured with the machine warm and the step alone; in the engine a drafting step
 also pays what the table does not see (the held context appended, the verify lengths read
@@ -58,6 +61,8 @@ from dspark.spec.sts import STSCalibration, host_survival
 
 logger = logging.getLogger(__name__)
 
+PROBE_ROUNDS = 1.0      # population evidence (rounds) below which only one request drafts
+
 
 @dataclass
 class Candidate:
@@ -78,6 +83,7 @@ class StepContext:
 @dataclass
 class _RequestState:
     last_drafted: int                               # the policy's step count when it last drafted
+    drafts: int = 0                                 # steps it drafted in
     history: deque = field(default_factory=deque)   # numpy [γ] calibrated survivals of recent rounds
     priced: np.ndarray | None = None                # [γ] own survival the last drafted round was priced at
 
@@ -142,10 +148,11 @@ class AcceptanceModel:
 class SpecPolicy:
     def __init__(self, table: CostTable, sts: STSCalibration | None, gamma: int, lag: int = 2,
                  min_gain: float = 0.05, half_life: float = 4.0, evidence_half_life: float = 64.0,
-                 max_kept: int = 16):
-        if lag < 1 or not half_life > 0 or not evidence_half_life > 0 or max_kept < 0:
-            raise ValueError(f"the confidence lag must be >= 1 round, the half-lives > 0 and "
-                             f"max_kept >= 0, got {lag}, {half_life}, {evidence_half_life} and {max_kept}")
+                 max_kept: int = 16, probe_rounds: float = PROBE_ROUNDS):
+        if lag < 1 or not half_life > 0 or not evidence_half_life > 0 or max_kept < 0 or probe_rounds < 0:
+            raise ValueError(f"the confidence lag must be >= 1 round, the half-lives > 0, max_kept "
+                             f"and probe_rounds >= 0, got {lag}, {half_life}, {evidence_half_life}, "
+                             f"{max_kept} and {probe_rounds}")
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
         self.half_life = half_life
         self.fade = 0.5 ** (1.0 / evidence_half_life)
@@ -156,6 +163,8 @@ class SpecPolicy:
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
         self.overhead = DraftOverhead(table)
         self.max_kept = max_kept
+        self.probe_rounds = probe_rounds
+        self.probes = 0                  # plans that let one request draft on little evidence (stats)
         self.steps = 0                   # plans made, priced or kept
         self.kept_plans = 0              # plans kept without pricing (stats)
         self._steady = _Steady()
@@ -199,10 +208,12 @@ class SpecPolicy:
         self._check_size(len(candidates), step)
         states = [self._state(c.request_id) for c in candidates]
         own, survival = self._prices(candidates, states)
+        probing = self._probe(states, survival)
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
-                         joining_tokens=step.joining_tokens)
+                         prefer_verify_all=not probing, joining_tokens=step.joining_tokens)
         plan = _pin_seeded(plan, [c.pinned for c in candidates])
         plan.predicted_accepted = expected_accepted(survival, plan)
+        self.probes += probing and any(plan.drafted)
         self._drafted(states, plan.drafted)
         self._steady.after(self.steps, candidates, plan, self.max_kept)
         return plan
@@ -212,6 +223,7 @@ class SpecPolicy:
         for state, d in zip(states, drafted):
             if d:
                 state.last_drafted = self.steps
+                state.drafts += 1
             state.priced = state.history[0] if d and state.history else None
 
     def keep_plans(self, steps: int) -> None:
@@ -240,6 +252,15 @@ class SpecPolicy:
         caps = np.array([c.verify_cap for c in candidates])
         survival[np.arange(self.gamma)[None, :] >= caps[:, None]] = 0.0
         return own, survival
+
+    def _probe(self, states: list[_RequestState], survival: np.ndarray) -> bool:
+        """On too little evidence, only one request may draft (the module's docstring): the
+        others' survivals are zeroed in place."""
+        if len(states) < 2 or self.acceptance.rounds[0] >= self.probe_rounds:
+            return False
+        chosen = min(range(len(states)), key=lambda i: (states[i].drafts > 0, states[i].last_drafted))
+        survival[np.arange(len(states)) != chosen] = 0.0
+        return True
 
     def _check_size(self, num_requests: int, step: StepContext) -> None:
         """A decode step the table does not reach is priced by extrapolation: say so once. A

@@ -19,6 +19,7 @@ def test_calibration_run_writes_a_file_the_engine_accepts(tmp_path):
     assert len(cal.temperatures) == 3 and cal.num_samples > 20
     assert cal.ece_after[0] <= cal.ece_before[0]
     assert llm.engine.confidence_records is None
+    assert llm.engine.scheduler.policy is llm.engine.policy is not None    # verify-all only while fitting
     cal.save(str(tmp_path / "sts.json"))
     ok = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"),
              sts=str(tmp_path / "sts.json"), graph="eager")

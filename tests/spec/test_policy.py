@@ -119,7 +119,7 @@ def test_drafts_are_priced_on_top_of_the_prefill_that_joins():
     decode plainly when a prefill joins and every draft would add target time."""
     verify = [0.0] + [10.0] * 8 + [10.0 + 2.0 * t for t in range(1, 120)]   # 2 ms a token past 8
     table = CostTable(fingerprint={}, verify_ms=verify, draft_ms=[0.0] + [1.0] * 4)
-    policy = SpecPolicy(table, None, gamma=2, lag=1, min_gain=0.05)
+    policy = SpecPolicy(table, None, gamma=2, lag=1, min_gain=0.05, probe_rounds=0.0)
     z = logit(0.3)                                        # c = 0.3: survival [0.3, 0.09]
     for rid in "abcd":
         policy.record(rid, [z, z], verified=0, accepted=0)
@@ -128,6 +128,23 @@ def test_drafts_are_priced_on_top_of_the_prefill_that_joins():
     assert all(alone.drafted) and alone.budget == 4       # 4 + 4 tokens: the same 10 ms
     joined = policy.plan(batch, StepContext(other_tokens=4, num_sampling=4, joining_tokens=60))
     assert not any(joined.drafted) and joined.budget == 0
+
+
+def test_on_thin_evidence_only_the_request_undrafted_longest_drafts():
+    """With no rounds yet the population is priced at the optimistic prior: one request probes,
+    each in turn, until a round's evidence lets the plan pick several."""
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, min_gain=0.0, max_kept=0)
+    step = StepContext(other_tokens=3, num_sampling=3)
+    batch = [Candidate(rid, 2) for rid in "abc"]
+    first = policy.plan(batch, step)
+    assert first.drafted == [True, False, False] and policy.probes == 1
+    second = policy.plan(batch, step)                     # "a" drafted last step: another's turn
+    assert second.drafted == [False, True, False] and policy.probes == 2
+    policy.acceptance.observe(None, verified=2, accepted=2)           # one round, all accepted
+    priced = policy.plan(batch, step)
+    assert sum(priced.drafted) == 3 and policy.probes == 2
+    off = SpecPolicy(TABLE, None, gamma=2, lag=1, min_gain=0.0, max_kept=0, probe_rounds=0.0)
+    assert all(off.plan(batch, step).drafted) and off.probes == 0
 
 
 def test_bad_arguments_are_refused():
