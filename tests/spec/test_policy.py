@@ -140,7 +140,8 @@ def test_on_thin_evidence_only_the_request_undrafted_longest_drafts():
     assert first.drafted == [True, False, False] and policy.probes == 1
     second = policy.plan(batch, step)                     # "a" drafted last step: another's turn
     assert second.drafted == [False, True, False] and policy.probes == 2
-    policy.acceptance.observe(None, verified=2, accepted=2)           # one round, all accepted
+    for _ in range(2):                                                # rounds, all accepted
+        policy.acceptance.observe(None, verified=2, accepted=2)
     priced = policy.plan(batch, step)
     assert sum(priced.drafted) == 3 and policy.probes == 2
     off = SpecPolicy(TABLE, None, gamma=2, lag=1, min_gain=0.0, max_kept=0, probe_rounds=0.0)
@@ -244,6 +245,30 @@ def test_a_drafting_step_is_priced_at_what_it_costs_beyond_plain_steps_not_at_th
     for _ in range(60):
         policy.observe_step(drafted, requests=2, tokens=6, seconds=(11.0 + 6.0 + 0.5) / 1e3)
     assert table.draft_ms == [0.0] + [2.0] * 4
+
+
+def test_held_context_rows_are_priced_per_request_so_a_warm_request_drafts_before_a_cold_one():
+    """Drafting steps cost 1 ms plus 0.02 ms per held context row they append: the policy learns
+    both, and of two requests with the same confidences it drafts the one whose context is
+    already in the drafter's cache, not the one 300 rows behind."""
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [11.0] * 8, draft_ms=[0.0] + [2.0] * 4)
+    policy = SpecPolicy(table, None, gamma=2, lag=1, min_gain=0.0, max_kept=0, probe_rounds=0.0)
+    plain = StepPlan([False], 0, 2)
+    for i in range(60):
+        rows = (0, 40, 300)[i % 3]
+        policy.observe_step(plain, requests=1, tokens=1, seconds=10.0 / 1e3)
+        drafted = StepPlan([True], 2, 2, held_rows=rows)
+        policy.observe_step(drafted, requests=1, tokens=3, seconds=(10.0 + 2.0 + 1.0 + 0.02 * rows) / 1e3)
+    assert policy.overhead.extra_ms == pytest.approx(1.0, abs=0.05)
+    assert policy.overhead.per_row_ms == pytest.approx(0.02, abs=0.002)
+    z = logit(0.6)
+    for rid in ("warm", "cold"):
+        for _ in range(3):
+            policy.record(rid, [z, z], verified=2, accepted=1)
+    step = StepContext(other_tokens=2, num_sampling=2)
+    policy.plan([Candidate("warm", 2, context_len=100)], StepContext(other_tokens=1, num_sampling=1))
+    plan = policy.plan([Candidate("warm", 2, context_len=101), Candidate("cold", 2, context_len=300)], step)
+    assert plan.drafted == [True, False] and plan.held_rows == 0
 
 
 def test_switched_off_the_learned_overhead_leaves_the_table_and_back_on_restores_it():
