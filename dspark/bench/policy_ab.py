@@ -4,9 +4,8 @@ prompts). Two engines built alike differ by several percent on a shared CPU (mem
 more than a mechanism moves, so the mechanism is switched on the one engine between runs.
 
 Mechanisms: `kept-plans` (plans at either end kept without pricing, against pricing every
-step), `draft-overhead` (drafting steps priced at what they cost in the engine, learned
-online, against the table's prices alone) and `probes` (one request drafts while the
-population's evidence is thin, against every request the plan picks).
+step) and `draft-overhead` (drafting steps priced at what they cost in the engine, learned
+online, against the table's prices alone).
 """
 
 from __future__ import annotations
@@ -16,17 +15,14 @@ import statistics
 
 from dspark.bench.closed_loop import closed_loop
 from dspark.outputs import SpecStats
-from dspark.spec.policy import PROBE_ROUNDS, SpecPolicy
 from dspark.bench.sweep import fixed_length, prompt_pool
 
-MECHANISMS = ("kept-plans", "draft-overhead", "probes")
+MECHANISMS = ("kept-plans", "draft-overhead")
 
 
-def switch(policy: SpecPolicy, mechanism: str, on: bool, kept: int) -> None:
+def switch(policy, mechanism: str, on: bool, kept: int) -> None:
     if mechanism == "kept-plans":
         policy.keep_plans(kept if on else 0)
-    elif mechanism == "probes":
-        policy.probe_rounds = PROBE_ROUNDS if on else 0.0
     else:
         policy.overhead.set_enabled(on)
 

@@ -111,8 +111,7 @@ def run_sweep_bench(args) -> dict:
             llm.generate(prompts[:c], warm)
         engines["default"].engine.reset_spec_stats()
         engines["verify-all"].engine.reset_spec_stats()
-        default_policy = engines["default"].engine.policy
-        kept_before, probes_before = default_policy.kept_plans, default_policy.probes
+        kept_before = engines["default"].engine.policy.kept_plans
         for _ in range(args.repetitions):
             for name in SYSTEMS:                   # interleaved: drift hits every system alike
                 runs[name].append(closed_loop(engines[name].engine, prompts, params, c)["tokens_per_s"])
@@ -125,8 +124,7 @@ def run_sweep_bench(args) -> dict:
         policy.append({"predicted_accepted": round(stats.predicted_accepted_tokens, 1),
                        "accepted": stats.accepted_tokens, "verified": stats.verified_tokens,
                        "verified_per_round": round(stats.verified_tokens / max(1, stats.draft_rounds), 2),
-                       "kept_plans": default_policy.kept_plans - kept_before,
-                       "probes": default_policy.probes - probes_before})
+                       "kept_plans": engines["default"].engine.policy.kept_plans - kept_before})
     png = plot_sweep(levels, medians, args.png)
     print(f"{args.output_tokens} tokens from each of max(c, {args.sweep_requests}) requests of "
           f"{args.input_tokens} prompt tokens, at most c in flight; medians of {args.repetitions}")

@@ -159,7 +159,6 @@ class StepPlan:
     budget: int             # drafts verified in total, over the drafted requests
     full: int               # R·γ: every draft of every request
     predicted_accepted: float = 0.0   # drafts the policy expects the target to accept
-    held_rows: int = 0      # held context rows the drafting requests append before their pass
 
     @property
     def verify_all(self) -> bool:
@@ -168,16 +167,14 @@ class StepPlan:
 
 def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_sampling: int, other_tokens: int,
               min_gain: float = 0.05, forced: list[bool] | None = None,
-              prefer_verify_all: bool = True, joining_tokens: int = 0,
-              request_ms: np.ndarray | None = None) -> StepPlan:
+              prefer_verify_all: bool = True, joining_tokens: int = 0) -> StepPlan:
     """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan.
 
     Besides the budget, the plan picks which requests draft at all: a drafter pass has a cost of
     its own (draft_cost[r] grows with the requests it drafts for), and when the expected drafts of
     a request do not pay for its share of it, a plain decode row commits its one token cheaper.
-    Candidate draft sets are the r requests with the most expected accepted drafts (Σ_k S_k) less
-    the tokens their own costs (`request_ms`) would commit at the plain rate, plus every `forced`
-    one; each set gets its best budget, and the best (set, budget) wins.
+    Candidate draft sets are the r requests with the most expected accepted drafts (Σ_k S_k),
+    plus every `forced` one; each set gets its best budget, and the best (set, budget) wins.
 
     `other_tokens` are the step's tokens besides drafts (anchor rows and prefill chunks). The
     result is verify-all (every request drafts, R·γ verified) unless the plan is predicted to gain
@@ -191,9 +188,6 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     judged against the plain decode step without them: the prefill is paid for by its own
     requests, and a step's tokens per millisecond with it inside would make any draft look cheap
     next to a step that yields little.
-
-    `request_ms` [R] is what drafting costs each request on top of the drafter pass (the held
-    context it appends first).
     """
     r_all, gamma = survival.shape
     full = r_all * gamma
@@ -203,19 +197,18 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
         survival = survival.detach().cpu().double().numpy()
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
     must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
-    own = np.zeros(r_all) if request_ms is None else np.asarray(request_ms, dtype=np.float64)   # [R]
     verify = _verify_on_top(table, other_tokens, joining_tokens, full, max(1, num_sampling))  # [B]
     plain_rate = num_sampling / verify[0]
-    full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + own.sum() + verify[full])
+    full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + verify[full])
     free = not must.any()                                  # no forced draft: the bound applies
-    bound = _drafting_bound(s, own, table, num_sampling, verify) if free else 0.0
+    bound = _drafting_bound(s, table, num_sampling, verify) if free else 0.0
     if prefer_verify_all and free and max(bound, plain_rate) < (1.0 + min_gain) * full_rate:
         return StepPlan(drafted=[True] * r_all, budget=full, full=full)    # nothing beats it enough
     if free and bound < (1.0 + min_gain) * plain_rate:
         rank, size, budget, best_rate = np.zeros(r_all, dtype=np.int64), 0, 0, plain_rate
     else:
-        rank, size, budget, best_rate = _best_set(s, own, must, table, num_sampling, verify,
-                                                  plain_rate, min_gain)
+        rank, size, budget, best_rate = _best_set(s, must, table, num_sampling, verify, plain_rate,
+                                                  min_gain)
     if prefer_verify_all and not (best_rate > full_rate and best_rate >= (1.0 + min_gain) * full_rate):
         size, budget = r_all, full
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
@@ -233,41 +226,36 @@ def _verify_on_top(table: CostTable, other_tokens: int, joining_tokens: int, ful
     return joined - joined[0] + table.verify_costs(other_tokens, other_tokens + 1, requests)[0]
 
 
-def _drafting_bound(s: np.ndarray, own: np.ndarray, table: CostTable, num_sampling: int,
-                    verify: np.ndarray) -> float:
+def _drafting_bound(s: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray) -> float:
     """An upper bound on the tokens/ms of every draft set and budget at once: b verified drafts
     yield at most the b best survivals of any request and cost at least a drafter pass over the
-    fewest requests that hold b slots, and those requests' own costs at least the smallest
-    ones. Under load most steps stay below drafting's threshold by
+    fewest requests that hold b slots. Under load most steps stay below drafting's threshold by
     it (O(R·γ) instead of the O(R²·γ) of pricing every draft set, docs/measurements.md), and
     at low load most stay below verify-all's."""
     if num_sampling <= 0:
         return np.inf
     gamma = s.shape[1]
     slots = np.arange(s.size + 1)
-    fewest = np.maximum(1, -(-slots // gamma))                                              # [B]
-    cheapest = np.concatenate([[0.0], np.cumsum(np.sort(own))])                             # [R + 1]
-    cost = table.draft_costs(fewest) + cheapest[fewest] + verify                            # [B]
+    cost = table.draft_costs(np.maximum(1, -(-slots // gamma))) + verify                  # [B]
     yield_ = num_sampling + np.concatenate([[0.0], np.cumsum(np.sort(s, axis=None)[::-1])])     # [B]
     return float((yield_ / cost).max())
 
 
-def _best_set(s: np.ndarray, own: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: int,
-              verify: np.ndarray, plain_rate: float, min_gain: float) -> tuple[np.ndarray, int, int, float]:
+def _best_set(s: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,
+              plain_rate: float, min_gain: float) -> tuple[np.ndarray, int, int, float]:
     """Every candidate draft set with its best budget: (rank of each request, set size, budget,
     rate) of the best, drafting nothing unless drafting beats a plain step by `min_gain`. A set
     verifies at least one draft per member it chose (not forced): a request drafted for nothing
     is a plain row that also paid for a drafter pass."""
     r_all, gamma = s.shape
     full = r_all * gamma
-    key = np.where(must, np.inf, s.sum(1) - own * plain_rate)       # drafts less what own costs forgo
+    key = np.where(must, np.inf, s.sum(1))
     order = np.argsort(-key, kind="stable")                                    # descending, stable
     rank = np.empty_like(order)
     rank[order] = np.arange(r_all)
     sizes = np.arange(int(must.sum()), r_all + 1)                              # [C] draft-set sizes
     gain = num_sampling + _set_prefix_sums(s, rank, sizes)                     # [C, B]
-    own_sums = np.concatenate([[0.0], np.cumsum(own[order])])                    # [R + 1] by rank
-    draft = table.draft_costs(sizes) + own_sums[sizes]                                    # [C]
+    draft = table.draft_costs(sizes)                                                      # [C]
     cost = draft[:, None] + verify[None, :]                                     # [C, B]
     rate = gain / cost                                                          # [C, B]
     if sizes[0] == 0:

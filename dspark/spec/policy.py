@@ -22,12 +22,8 @@ drafts fill the budget is decided on the device, allocate.py):
   stop all drafting for good (nothing drafted, nothing learned): the fade makes the policy try
   again after a while, at the price of one drafted step now and then where drafting does not pay.
 
-A request left undrafted is priced at the population's acceptance within a few steps. While
-that acceptance rests on less than `probe_rounds` rounds of evidence (at the start, and each time
-the fade has worn it away), it is mostly the optimistic prior, so only one request may draft: one
-that never drafted, else the one undrafted longest (unless the table makes drafting free). Such
-a probe costs one request's drafter pass and block instead of every request's, and its round is
-the evidence the next priced plans need.
+This replaces per-request probes: a request left undrafted is priced at the population's
+acceptance within a few steps, which is what a probe priced it at.
 
 The table is measured with the machine warm and the step alone; in the engine a drafting step
 also pays what the table does not see (the held context appended, the verify lengths read
@@ -62,8 +58,6 @@ from dspark.spec.sts import STSCalibration, host_survival
 
 logger = logging.getLogger(__name__)
 
-PROBE_ROUNDS = 1.0      # population evidence (rounds) below which only one request drafts
-
 
 @dataclass
 class Candidate:
@@ -71,7 +65,6 @@ class Candidate:
     request_id: str
     verify_cap: int          # drafts it may verify this step (<= γ: max_tokens, context, budget)
     pinned: bool = False     # seeded sampling: always drafts with every draft verified
-    context_len: int = 0     # tokens in its KV cache: what the drafter's context must hold
 
 
 @dataclass
@@ -85,8 +78,6 @@ class StepContext:
 @dataclass
 class _RequestState:
     last_drafted: int                               # the policy's step count when it last drafted
-    drafts: int = 0                                 # steps it drafted in
-    appended: int = 0                               # context rows the drafter had after its last draft
     history: deque = field(default_factory=deque)   # numpy [γ] calibrated survivals of recent rounds
     priced: np.ndarray | None = None                # [γ] own survival the last drafted round was priced at
 
@@ -151,11 +142,10 @@ class AcceptanceModel:
 class SpecPolicy:
     def __init__(self, table: CostTable, sts: STSCalibration | None, gamma: int, lag: int = 2,
                  min_gain: float = 0.05, half_life: float = 4.0, evidence_half_life: float = 64.0,
-                 max_kept: int = 16, probe_rounds: float = PROBE_ROUNDS):
-        if lag < 1 or not half_life > 0 or not evidence_half_life > 0 or max_kept < 0 or probe_rounds < 0:
-            raise ValueError(f"the confidence lag must be >= 1 round, the half-lives > 0, max_kept "
-                             f"and probe_rounds >= 0, got {lag}, {half_life}, {evidence_half_life}, "
-                             f"{max_kept} and {probe_rounds}")
+                 max_kept: int = 16):
+        if lag < 1 or not half_life > 0 or not evidence_half_life > 0 or max_kept < 0:
+            raise ValueError(f"the confidence lag must be >= 1 round, the half-lives > 0 and "
+                             f"max_kept >= 0, got {lag}, {half_life}, {evidence_half_life} and {max_kept}")
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
         self.half_life = half_life
         self.fade = 0.5 ** (1.0 / evidence_half_life)
@@ -166,8 +156,6 @@ class SpecPolicy:
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
         self.overhead = DraftOverhead(table)
         self.max_kept = max_kept
-        self.probe_rounds = probe_rounds
-        self.probes = 0                  # plans that let one request draft on little evidence (stats)
         self.steps = 0                   # plans made, priced or kept
         self.kept_plans = 0              # plans kept without pricing (stats)
         self._steady = _Steady()
@@ -185,7 +173,7 @@ class SpecPolicy:
 
     def observe_step(self, plan: StepPlan, requests: int, tokens: int, seconds: float) -> None:
         """A decode step ran (no prefill in it): its measured time against its table price."""
-        self.overhead.observe(sum(plan.drafted), requests, tokens, seconds * 1e3, plan.held_rows)
+        self.overhead.observe(sum(plan.drafted), requests, tokens, seconds * 1e3)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -206,33 +194,24 @@ class SpecPolicy:
         if kept is not None:
             self.kept_plans += 1
             if kept.budget:
-                self._drafted(candidates, [self._state(c.request_id) for c in candidates], kept)
+                self._drafted([self._state(c.request_id) for c in candidates], [True] * len(candidates))
             return kept
         self._check_size(len(candidates), step)
         states = [self._state(c.request_id) for c in candidates]
         own, survival = self._prices(candidates, states)
-        probing = self._probe(states, survival, step)
-        held = np.array([max(0, c.context_len - s.appended) for c, s in zip(candidates, states)])
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
-                         prefer_verify_all=not probing, joining_tokens=step.joining_tokens,
-                         request_ms=self.overhead.row_ms * held)
+                         joining_tokens=step.joining_tokens)
         plan = _pin_seeded(plan, [c.pinned for c in candidates])
         plan.predicted_accepted = expected_accepted(survival, plan)
-        self.probes += probing and any(plan.drafted)
-        self._drafted(candidates, states, plan)
+        self._drafted(states, plan.drafted)
         self._steady.after(self.steps, candidates, plan, self.max_kept)
         return plan
 
-    def _drafted(self, candidates: list[Candidate], states: list[_RequestState], plan: StepPlan) -> None:
-        """A drafted request's own price is what its round will be judged against; its held
-        context is appended before its drafter pass, this step's rows after the verify."""
-        plan.held_rows = 0
-        for c, state, d in zip(candidates, states, plan.drafted):
+    def _drafted(self, states: list[_RequestState], drafted: list[bool]) -> None:
+        """A drafted request's own price is what its round will be judged against."""
+        for state, d in zip(states, drafted):
             if d:
                 state.last_drafted = self.steps
-                state.drafts += 1
-                plan.held_rows += max(0, c.context_len - state.appended)
-                state.appended = c.context_len + 1
             state.priced = state.history[0] if d and state.history else None
 
     def keep_plans(self, steps: int) -> None:
@@ -262,20 +241,6 @@ class SpecPolicy:
         survival[np.arange(self.gamma)[None, :] >= caps[:, None]] = 0.0
         return own, survival
 
-    def _probe(self, states: list[_RequestState], survival: np.ndarray, step: StepContext) -> bool:
-        """On too little evidence, only one request may draft (the module's docstring): the
-        others' survivals are zeroed in place. Not where the table prices every draft at no
-        more than `min_gain` over a plain step (verify-all even if nothing is accepted)."""
-        if len(states) < 2 or self.acceptance.rounds[0] >= self.probe_rounds:
-            return False
-        free = plan_step(np.zeros_like(survival), self.table, step.num_sampling, step.other_tokens,
-                         self.min_gain, joining_tokens=step.joining_tokens)
-        if free.verify_all:
-            return False
-        chosen = min(range(len(states)), key=lambda i: (states[i].drafts > 0, states[i].last_drafted))
-        survival[np.arange(len(states)) != chosen] = 0.0
-        return True
-
     def _check_size(self, num_requests: int, step: StepContext) -> None:
         """A decode step the table does not reach is priced by extrapolation: say so once. A
         prefill joining the step is not counted: its drafts are priced by what they add on top
@@ -292,21 +257,16 @@ class SpecPolicy:
 
 class DraftOverhead:
     """What a drafting step costs beyond its table price, relative to plain steps (the module's
-    docstring): a constant a per drafting step plus b per held context row it appends, fitted
-    by a decayed least-squares line over drafted steps. a re-prices the table's drafter passes;
-    b prices each request by the rows it holds (`per_row_ms`), so a request that drafted last
-    step is not charged the appends of one that comes back after a long stretch."""
+    docstring); applied by re-pricing the table's drafter passes."""
 
-    def __init__(self, table: CostTable, plain_weight: float = 0.05, draft_decay: float = 0.9,
-                 min_plain_steps: int = 8, resolution_ms: float = 0.05, ridge_rows: float = 100.0):
+    def __init__(self, table: CostTable, plain_weight: float = 0.05, draft_weight: float = 0.1,
+                 min_plain_steps: int = 8, resolution_ms: float = 0.05):
         self.table, self.base = table, list(table.draft_ms)
-        self.plain_weight, self.draft_decay = plain_weight, draft_decay
-        self.min_plain_steps, self.resolution_ms, self.ridge = min_plain_steps, resolution_ms, ridge_rows
+        self.plain_weight, self.draft_weight = plain_weight, draft_weight
+        self.min_plain_steps, self.resolution_ms = min_plain_steps, resolution_ms
         self.plain_excess = 0.0      # ms: recent plain decode steps' time over their price (EMA)
         self.plain_steps = 0
-        self.sums = np.zeros(5)      # drafted steps: decayed Σ 1, r, e, r², r·e (r rows, e excess ms)
-        self.extra_ms = 0.0          # a: ms a drafting step pays beyond the table, net of load
-        self.per_row_ms = 0.0        # b: ms per held context row a drafting step appends
+        self.extra_ms = 0.0          # ms a drafting step pays beyond the table, net of load (EMA)
         self.applied_ms = 0.0        # what the table's drafter passes carry now
         self.enabled = True          # off: the table's own prices, nothing learned (A/B runs)
 
@@ -315,7 +275,7 @@ class DraftOverhead:
         self.applied_ms = -1.0                                    # re-price at once
         self._apply()
 
-    def observe(self, drafted: int, requests: int, tokens: int, measured_ms: float, held_rows: int = 0) -> None:
+    def observe(self, drafted: int, requests: int, tokens: int, measured_ms: float) -> None:
         if not self.enabled:
             return
         price = float(self.table.verify_costs(tokens, tokens + 1, requests)[0])
@@ -329,12 +289,8 @@ class DraftOverhead:
             return
         draft = self.base[min(drafted, len(self.base) - 1)]
         excess = measured_ms - price - draft - self.plain_excess
-        excess = min(max(excess, -draft), 3.0 * draft + 0.1 * held_rows)    # one stalled step moves it little
-        r = float(held_rows)
-        self.sums = self.draft_decay * self.sums + np.array([1.0, r, excess, r * r, r * excess])
-        n, sr, se, srr, sre = self.sums
-        slope = max(0.0, (sre - sr * se / n) / (srr - sr * sr / n + self.ridge))
-        self.per_row_ms, self.extra_ms = slope, (se - slope * sr) / n
+        excess = min(max(excess, -draft), 3.0 * draft)         # one stalled step moves it little
+        self.extra_ms += self.draft_weight * (excess - self.extra_ms)
         self._apply()
 
     def _apply(self) -> None:
@@ -342,11 +298,6 @@ class DraftOverhead:
         if abs(extra - self.applied_ms) >= self.resolution_ms:
             self.table.draft_ms = [self.base[0]] + [c + extra for c in self.base[1:]]
             self.applied_ms = extra
-
-    @property
-    def row_ms(self) -> float:
-        """b while learning is on (0 off)."""
-        return self.per_row_ms if self.enabled else 0.0
 
 
 @dataclass

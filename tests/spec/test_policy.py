@@ -119,7 +119,7 @@ def test_drafts_are_priced_on_top_of_the_prefill_that_joins():
     decode plainly when a prefill joins and every draft would add target time."""
     verify = [0.0] + [10.0] * 8 + [10.0 + 2.0 * t for t in range(1, 120)]   # 2 ms a token past 8
     table = CostTable(fingerprint={}, verify_ms=verify, draft_ms=[0.0] + [1.0] * 4)
-    policy = SpecPolicy(table, None, gamma=2, lag=1, min_gain=0.05, probe_rounds=0.0)
+    policy = SpecPolicy(table, None, gamma=2, lag=1, min_gain=0.05)
     z = logit(0.3)                                        # c = 0.3: survival [0.3, 0.09]
     for rid in "abcd":
         policy.record(rid, [z, z], verified=0, accepted=0)
@@ -128,24 +128,6 @@ def test_drafts_are_priced_on_top_of_the_prefill_that_joins():
     assert all(alone.drafted) and alone.budget == 4       # 4 + 4 tokens: the same 10 ms
     joined = policy.plan(batch, StepContext(other_tokens=4, num_sampling=4, joining_tokens=60))
     assert not any(joined.drafted) and joined.budget == 0
-
-
-def test_on_thin_evidence_only_the_request_undrafted_longest_drafts():
-    """With no rounds yet the population is priced at the optimistic prior: one request probes,
-    each in turn, until a round's evidence lets the plan pick several."""
-    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, min_gain=0.0, max_kept=0)
-    step = StepContext(other_tokens=3, num_sampling=3)
-    batch = [Candidate(rid, 2) for rid in "abc"]
-    first = policy.plan(batch, step)
-    assert first.drafted == [True, False, False] and policy.probes == 1
-    second = policy.plan(batch, step)                     # "a" drafted last step: another's turn
-    assert second.drafted == [False, True, False] and policy.probes == 2
-    for _ in range(2):                                                # rounds, all accepted
-        policy.acceptance.observe(None, verified=2, accepted=2)
-    priced = policy.plan(batch, step)
-    assert sum(priced.drafted) == 3 and policy.probes == 2
-    off = SpecPolicy(TABLE, None, gamma=2, lag=1, min_gain=0.0, max_kept=0, probe_rounds=0.0)
-    assert all(off.plan(batch, step).drafted) and off.probes == 0
 
 
 def test_bad_arguments_are_refused():
@@ -245,30 +227,6 @@ def test_a_drafting_step_is_priced_at_what_it_costs_beyond_plain_steps_not_at_th
     for _ in range(60):
         policy.observe_step(drafted, requests=2, tokens=6, seconds=(11.0 + 6.0 + 0.5) / 1e3)
     assert table.draft_ms == [0.0] + [2.0] * 4
-
-
-def test_held_context_rows_are_priced_per_request_so_a_warm_request_drafts_before_a_cold_one():
-    """Drafting steps cost 1 ms plus 0.02 ms per held context row they append: the policy learns
-    both, and of two requests with the same confidences it drafts the one whose context is
-    already in the drafter's cache, not the one 300 rows behind."""
-    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [11.0] * 8, draft_ms=[0.0] + [2.0] * 4)
-    policy = SpecPolicy(table, None, gamma=2, lag=1, min_gain=0.0, max_kept=0, probe_rounds=0.0)
-    plain = StepPlan([False], 0, 2)
-    for i in range(60):
-        rows = (0, 40, 300)[i % 3]
-        policy.observe_step(plain, requests=1, tokens=1, seconds=10.0 / 1e3)
-        drafted = StepPlan([True], 2, 2, held_rows=rows)
-        policy.observe_step(drafted, requests=1, tokens=3, seconds=(10.0 + 2.0 + 1.0 + 0.02 * rows) / 1e3)
-    assert policy.overhead.extra_ms == pytest.approx(1.0, abs=0.05)
-    assert policy.overhead.per_row_ms == pytest.approx(0.02, abs=0.002)
-    z = logit(0.6)
-    for rid in ("warm", "cold"):
-        for _ in range(3):
-            policy.record(rid, [z, z], verified=2, accepted=1)
-    step = StepContext(other_tokens=2, num_sampling=2)
-    policy.plan([Candidate("warm", 2, context_len=100)], StepContext(other_tokens=1, num_sampling=1))
-    plan = policy.plan([Candidate("warm", 2, context_len=101), Candidate("cold", 2, context_len=300)], step)
-    assert plan.drafted == [True, False] and plan.held_rows == 0
 
 
 def test_switched_off_the_learned_overhead_leaves_the_table_and_back_on_restores_it():
