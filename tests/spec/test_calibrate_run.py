@@ -17,6 +17,8 @@ def test_calibration_run_writes_a_file_the_engine_accepts(tmp_path):
     cal = run_calibration(llm, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                           use_tqdm=False)
     assert len(cal.temperatures) == 3 and cal.num_samples > 20
+    stats = llm.engine.spec_stats                  # every request drafted every step: verify-all
+    assert stats.undrafted_steps == 0 and stats.draft_rounds > 0
     assert cal.ece_after[0] <= cal.ece_before[0]
     assert llm.engine.confidence_records is None
     assert llm.engine.scheduler.policy is llm.engine.policy is not None    # verify-all only while fitting
