@@ -14,8 +14,8 @@ import json
 import statistics
 
 from dspark.bench.closed_loop import closed_loop
-from dspark.outputs import SpecStats
 from dspark.bench.sweep import fixed_length, prompt_pool
+from dspark.outputs import SpecStats
 
 MECHANISMS = ("kept-plans", "draft-overhead")
 
