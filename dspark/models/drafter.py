@@ -11,7 +11,7 @@ Every method takes its state as arguments: the drafter holds weights, nothing el
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -110,19 +110,23 @@ class DraftAttention(nn.Module):
             k = self.k_norm(k)
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [R, S, d]; cos/sin [R, S, 1, D]; ctx_k/ctx_v [R, L, KVH, D]; mask [R, 1, 1, L+S]."""
+    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [R, S, d] (normed), cos/sin [R, S, 1, D] -> q [R, S, H, D], block k, v [R, S, KVH, D]."""
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))       # [R, S, H, D]
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q = apply_rotary(q, cos, sin)
-        k_blk, v_blk = self.keys_values(x, cos, sin)                             # [R, S, KVH, D]
+        return (apply_rotary(q, cos, sin), *self.keys_values(x, cos, sin))
+
+    def attend(self, q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, ctx_k: torch.Tensor,
+               ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [R, S, H, D], k/v_blk [R, S, KVH, D], ctx_k/ctx_v [R, L, KVH, D], mask [R, 1, 1, L+S]
+        -> [R, S, H*D], before o_proj (the one part whose shapes follow the context length L)."""
         k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=1).transpose(1, 2)     # [R, KVH, L+S, D]
         v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=1).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).flatten(-2))                      # [R, S, d]
+        return out.transpose(1, 2).flatten(-2)
 
 
 class DraftMLP(nn.Module):
@@ -144,9 +148,24 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return self.self_attn.pre_attention(self.input_layernorm(x), cos, sin)
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [R, S, d] the residual stream, attn [R, S, H*D] -> the layer's output [R, S, d]."""
+        x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BlockState(NamedTuple):
+    """The block pass between two attention calls: what a captured piece keeps
+    (runner/draft_pieces.py)."""
+    x: torch.Tensor                 # [R, S, d] residual stream (after the last layer: final-normed)
+    cos: torch.Tensor               # [R, S, 1, D]
+    sin: torch.Tensor               # [R, S, 1, D]
+    q: torch.Tensor | None          # [R, S, H, D] the next layer's (None after the last layer)
+    k: torch.Tensor | None          # [R, S, KVH, D] its block keys, roped
+    v: torch.Tensor | None          # [R, S, KVH, D]
 
 
 class MarkovHead(nn.Module):
@@ -230,17 +249,36 @@ class Drafter(nn.Module):
 
         block_ids/positions [R, S] (S = num_block_slots, positions = anchor_pos + slot);
         ctx_k/ctx_v per layer [R, L, KVH, D]; ctx_valid [R, L] marks the keys that exist
-        (positions < the anchor's). Returns the final-normed block hidden [R, S, d].
+        (positions < the anchor's). Returns the final-normed block hidden [R, S, d]. It runs as
+        pieces with attention between them, the loop a CUDA-graph bucket replays with each piece
+        captured (runner/draft_pieces.py).
         """
+        s = self.block_enter(block_ids, positions)
+        mask = block_mask(ctx_valid, block_ids.shape[1])
+        for i in range(len(self.layers)):
+            s = self.block_transition(i, s, self.block_attention(i, s, ctx_k[i], ctx_v[i], mask))
+        return s.x
+
+    def block_enter(self, block_ids: torch.Tensor, positions: torch.Tensor) -> BlockState:
+        """Piece 0: the block's embeddings, rotary tables and layer 0's q, k, v."""
         r, s = block_ids.shape
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)               # [R, S, d]
         cos, sin = self.rotary.cos_sin(positions.reshape(-1), x.dtype)
         cos, sin = cos.view(r, s, 1, -1), sin.view(r, s, 1, -1)                # [R, S, 1, D]
-        block_keys = torch.ones(r, s, dtype=torch.bool, device=ctx_valid.device)
-        mask = torch.cat([ctx_valid.bool(), block_keys], dim=1)[:, None, None, :]  # [R, 1, 1, L+S]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
-        return self.norm(x)
+        return BlockState(x, cos, sin, *self.layers[0].pre_attention(x, cos, sin))
+
+    def block_attention(self, i: int, s: BlockState, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention over [context ; block] -> [R, S, H*D]."""
+        return self.layers[i].self_attn.attend(s.q, s.k, s.v, ctx_k, ctx_v, mask)
+
+    def block_transition(self, i: int, s: BlockState, attn: torch.Tensor) -> BlockState:
+        """Piece i+1: layer i after its attention, with the next layer's q, k, v (or, after the
+        last layer, the final norm)."""
+        x = self.layers[i].post_attention(s.x, attn)
+        if i + 1 < len(self.layers):
+            return BlockState(x, s.cos, s.sin, *self.layers[i + 1].pre_attention(x, s.cos, s.sin))
+        return BlockState(self.norm(x), s.cos, s.sin, None, None, None)
 
     def draft_hidden(self, h_block: torch.Tensor) -> torch.Tensor:
         """[R, S, d] -> [R, γ, d]: the rows whose logits are the γ drafts."""
@@ -300,12 +338,6 @@ class Drafter(nn.Module):
 
     # ---- vocabulary --------------------------------------------------------------------------
 
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab ids -> target ids (target = draft + d2t[draft]); identity at full vocab."""
-        if not self.config.uses_draft_vocab:
-            return draft_ids
-        return self.draft_to_target_index[draft_ids]
-
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids. The draft ids list their target ids in increasing
         order, so the first maximum over the draft vocabulary is the first over the scattered
@@ -357,3 +389,9 @@ class Drafter(nn.Module):
         self.draft_lm_head_weight = self.lm_head.weight.detach()[index].to(self.fc.weight.dtype)
         self.draft_lm_head_packed = None          # pack_for_inference packs the new rows again
         self.draft_lm_head_tiles = None
+
+
+def block_mask(ctx_valid: torch.Tensor, slots: int) -> torch.Tensor:
+    """ctx_valid [R, L] -> [R, 1, 1, L+S]: the context keys that exist, then every block key."""
+    block_keys = torch.ones(ctx_valid.shape[0], slots, dtype=torch.bool, device=ctx_valid.device)
+    return torch.cat([ctx_valid.bool(), block_keys], dim=1)[:, None, None, :]

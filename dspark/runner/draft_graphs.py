@@ -21,9 +21,9 @@ The Markov loop and sampling run after the graph, eagerly (seeded rows draw from
 generators).
 
 The backend follows the target's `StepGraphs.mode`: `eager` (the padded path as plain PyTorch),
-`compile` (torch.compile of `block_pass` per bucket) or `cuda`. The draft step has no CUDA-graph
-capture yet, so `cuda` runs the eager padded path, warned once and counted. Steps with more
-requests than the largest bucket, or tables wider than the buffers, run unpadded and are counted.
+`compile` (torch.compile of `block_pass` per bucket) or `cuda` (the block pass as piecewise CUDA
+graphs with eager attention between them, runner/draft_pieces.py). Steps with more requests
+than the largest bucket, or tables wider than the buffers, run unpadded and are counted.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dspark.models.layers.linear import lower_packed_linear
 from dspark.spec.draft import BlockPass, FusedDraft, KVCaches, block_pass, propose
 from dspark.spec.sampler import SamplingTensors
 from dspark.spec.types import DraftProposal
+from dspark.runner.draft_pieces import DraftPieces, capture_draft_bucket
 from dspark.runner.graphs import DUMMY_TOKEN_ID, StepGraphs, capture_largest_first, token_buckets
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,6 @@ class DraftGraphStats:
     replays: dict[int, int] = field(default_factory=dict)    # bucket -> draft steps run at it
     eager_steps: int = 0         # steps above the largest bucket or the table buffers (unpadded)
     capture_fallbacks: int = 0   # buckets run eagerly because their capture failed
-    uncaptured_steps: int = 0    # padded steps run eagerly in cuda mode (no draft capture yet)
 
 
 class DraftGraphs:
@@ -93,6 +93,8 @@ class DraftGraphs:
                  fused: FusedDraft | None = None):
         if mode not in ("cuda", "compile", "eager"):
             raise ValueError(f"graph mode must be one of cuda, compile, eager; got {mode!r}")
+        if mode == "cuda" and not (device.type == "cuda" and torch.cuda.is_available()):
+            raise ValueError("--graph cuda needs an NVIDIA GPU; use compile or eager on this device")
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be increasing positive request counts, got {buckets}")
         self.drafter, self.mode, self.buckets, self.device = drafter, mode, list(buckets), device
@@ -106,9 +108,7 @@ class DraftGraphs:
         self.buffers = {b: _buffers(b, tables[:b], device) for b in buckets}
         self.runners: dict[int, BlockPass | None] = {}
         self.compiled = None                 # the torch.compile wrapper of `block_pass` (compile mode)
-        if mode == "cuda":
-            logger.warning("the draft step has no CUDA-graph capture yet: it runs at its request "
-                           "buckets eagerly (counted in DraftGraphStats.uncaptured_steps)")
+        self.graph_pool = None               # the memory pool all draft buckets' CUDA graphs share
 
     def bucket_for(self, num_requests: int) -> int | None:
         """The smallest bucket holding `num_requests` rows (None: larger than every bucket)."""
@@ -120,9 +120,11 @@ class DraftGraphs:
         """Build every bucket's runnable, largest first, by replaying it on dummies alone."""
         self.stats.capture_fallbacks += capture_largest_first(
             self.buckets, lambda b: self._build(b, kv), self.runners, self.fallback_to_eager,
-            f"draft graph capture ({self.mode})", "request", show=self.mode == "compile")
+            f"draft graph capture ({self.mode})", "request", show=self.mode != "eager")
 
     def _build(self, bucket: int, kv: KVCaches) -> BlockPass | None:
+        if self.mode == "cuda":
+            return self._capture_cuda(bucket, kv)
         if self.mode != "compile":
             return None
         if self.compiled is None:
@@ -138,6 +140,16 @@ class DraftGraphs:
         self._replay(bucket, kv, empty, empty, empty.view(0, 1), _all_greedy(0, self.device), None,
                      self.min_pages, runner)                                  # compiles
         return runner
+
+    def _capture_cuda(self, bucket: int, kv: KVCaches) -> DraftPieces:
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        greedy = _all_greedy(0, self.device)
+
+        def warm_up():
+            return self._replay(bucket, kv, empty, empty, empty.view(0, 1), greedy, None, self.min_pages, None)
+        return capture_draft_bucket(self.drafter, bucket, warm_up, self.graph_pool)
 
     # ---- replay -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -168,8 +180,6 @@ class DraftGraphs:
             p = propose(self.drafter, kv, anchors, starts, block_tables, self.block_size, st, fused=self.fused)
             return PaddedDraft(p, p, None, list(request_ids) if request_ids is not None else [None] * r)
         self.stats.replays[b] = self.stats.replays.get(b, 0) + 1
-        if self.mode == "cuda":
-            self.stats.uncaptured_steps += 1
         return self._replay(b, kv, anchors, starts, block_tables, st, request_ids, width,
                             self.runners.get(b))
 

@@ -36,7 +36,6 @@ class RunnerStats:
     capture_fallbacks: int              # buckets (target and draft) run eagerly after a failed capture
     draft_replays: dict[int, int]       # request bucket -> draft steps run at it
     draft_eager_steps: int              # draft steps above the largest request bucket
-    draft_uncaptured_steps: int         # padded draft steps run eagerly in cuda mode
     dummy_steps: int                    # idle data-parallel steps run on dummies alone
     varlen_attention_calls: int         # CUDA attention calls through the variable-length kernel
     attention_fallbacks: int            # ... that ran SDPA instead (warned once per reason)
@@ -49,7 +48,6 @@ class RunnerStats:
                 "capture_fallbacks": self.capture_fallbacks,
                 "draft_graph_steps": sum(self.draft_replays.values()),
                 "draft_eager_steps": self.draft_eager_steps,
-                "draft_uncaptured_steps": self.draft_uncaptured_steps,
                 "dummy_steps": self.dummy_steps,
                 "varlen_attention_calls": self.varlen_attention_calls,
                 "attention_fallbacks": self.attention_fallbacks}
@@ -141,6 +139,5 @@ class Runner:
             capture_fallbacks=target.capture_fallbacks + (draft.capture_fallbacks if draft else 0),
             draft_replays=dict(draft.replays) if draft else {},
             draft_eager_steps=draft.eager_steps if draft else 0,
-            draft_uncaptured_steps=draft.uncaptured_steps if draft else 0,
             dummy_steps=self.dummy_steps, varlen_attention_calls=varlen_attention.STATS.calls,
             attention_fallbacks=sum(varlen_attention.STATS.fallbacks.values()))

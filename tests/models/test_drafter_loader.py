@@ -166,7 +166,7 @@ def test_bf16_load_and_reduced_vocab_roundtrip(tmp_path):
     save_speculators(drafter, str(tmp_path))
     loaded = load_drafter(str(tmp_path), target, embed, lm_head, torch.bfloat16)
     assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.rotary.cos.dtype == torch.float32
-    assert torch.equal(loaded.draft_to_target(torch.tensor([0, 1, 63])), torch.tensor([0, 2, 126]))
+    assert torch.equal(loaded.to_target_ids(torch.tensor([0, 1, 63])), torch.tensor([0, 2, 126]))
     assert (draft_numbers(loaded) - draft_numbers(drafter)).abs().max() < 0.1
     assert loaded.embed_tokens is embed and loaded.lm_head is lm_head
     assert not any(n.startswith(("embed_tokens", "lm_head")) for n in loaded.state_dict())

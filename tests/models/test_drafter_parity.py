@@ -190,7 +190,7 @@ def test_drafter_matches_speculators(tmp_path, monkeypatch, sample_from_anchor, 
 
     # the reduced vocabulary maps back onto the target's own lm_head rows
     full = drafter.scatter_to_target_vocab(ours["base"])
-    target_ids = drafter.draft_to_target(torch.arange(draft_vocab))
+    target_ids = drafter.to_target_ids(torch.arange(draft_vocab))
     assert torch.equal(full[..., target_ids], ours["base"])
     assert torch.isinf(full).sum().item() == full[..., 0].numel() * (VOCAB - draft_vocab)
     with torch.no_grad():

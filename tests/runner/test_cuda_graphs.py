@@ -7,6 +7,7 @@ import torch
 
 from dspark.models.loader import load_target
 from dspark.runner.backends import CudaGraphPiece, PiecewiseRunner
+from dspark.runner.draft_pieces import DraftPieces
 from dspark.runner.graphs import StepGraphs, dummy_metadata
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.models.kv_cache import allocate_kv_cache
@@ -154,5 +155,49 @@ def test_greedy_output_with_cuda_graphs_equals_eager(tmp_path_factory, device):
         reference = LLM(target_dir, drafter=drafter, graph="eager", **common).generate(prompts, params)
         llm = LLM(target_dir, drafter=drafter, graph="cuda", **common)
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in reference]
-        stats = llm.engine.worker.runner.graphs.stats
-        assert stats.capture_fallbacks == 0 and sum(stats.replays.values()) > 0
+        stats = llm.engine.worker.runner.stats()
+        assert stats.capture_fallbacks == 0 and sum(stats.target_replays.values()) > 0
+        if drafter is not None:
+            draft = llm.engine.worker.runner.draft_graphs
+            assert sum(stats.draft_replays.values()) > 0
+            assert all(isinstance(r, DraftPieces) for r in draft.runners.values())
+
+
+def test_draft_buckets_are_captured_and_match_an_unpadded_propose(tmp_path_factory, device):
+    """Every request bucket of the draft step replays its captured pieces; the live rows get
+    what an eager, unpadded `propose` gives, greedy and seeded, and no cache is written."""
+    from dspark.models.drafter_loader import load_drafter
+    from dspark.runner.draft_graphs import DraftGraphs
+    from dspark.sampling_params import SamplingParams
+    from dspark.spec.draft import propose
+    from dspark.spec.sampler import SamplingTensors
+    target_dir = str(tmp_path_factory.mktemp("cuda_draft_target"))
+    save_tiny(target_dir, "qwen3", tied=True, vocab=96, num_hidden_layers=4, head_dim=16, seed=5)
+    drafter_dir = str(tmp_path_factory.mktemp("cuda_draft_drafter"))
+    save_random_drafter(drafter_dir, target_dir, gamma=4, markov_type="rnn", num_layers=2)
+    target = load_target(target_dir, torch.float32, device="cuda", max_positions=256)
+    drafter = load_drafter(drafter_dir, target.config, target.model.embed_tokens, target.model.lm_head,
+                           torch.float32)
+    kv = new_cache(drafter, device, seed=2)
+    before = clone(kv)
+    g = DraftGraphs(drafter, "cuda", [1, 2, 4, 8], device, BLOCK, 16)
+    g.capture(kv)
+    assert g.stats.capture_fallbacks == 0 and all(isinstance(r, DraftPieces) for r in g.runners.values())
+    for r in (1, 3, 8):
+        gen = torch.Generator().manual_seed(r)
+        anchors = torch.randint(3, 90, (r,), generator=gen).to(device)
+        starts = torch.randint(1, 24, (r,), generator=gen).to(device)                # + 5 slots: 8 pages
+        tables = torch.stack([torch.arange(i * 8, i * 8 + 8) for i in range(r)]).to(device)
+        for seeded in (False, True):
+            def st():
+                params = [SamplingParams(temperature=0.8, seed=i) if seeded else SamplingParams(temperature=0)
+                          for i in range(r)]
+                gens = [torch.Generator(device=device).manual_seed(i) if seeded else None for i in range(r)]
+                return SamplingTensors.build(params, gens, 96, device)
+            with torch.inference_mode():
+                out = g.run(kv, anchors, starts, tables, st())
+                ref = propose(drafter, kv, anchors, starts, tables, BLOCK, st())
+            assert out.bucket == g.bucket_for(r) and torch.equal(out.proposal.tokens, ref.tokens)
+            torch.testing.assert_close(out.proposal.confidence_logits, ref.confidence_logits, **CLOSE)
+    for (k, v), (k0, v0) in zip(kv, before):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

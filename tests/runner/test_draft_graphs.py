@@ -1,7 +1,10 @@
 """Draft-step graph buckets: a padded replay gives the live requests exactly what an unpadded
-`propose` gives, dummy requests stay dummies, and nothing they do reaches live state."""
+`propose` gives, dummy requests stay dummies, and nothing they do reaches live state.
 
-import logging
+`pieces` runs the CUDA backend's piecewise replay (runner/draft_pieces.py) on the CPU: each piece
+behaves for its caller as a captured graph does (static outputs recomputed in place from the
+tensors it was captured over), so everything but the CUDA capture itself is checked here.
+"""
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
 from dspark.spec.draft import propose
 from dspark.spec.sampler import SamplingTensors
+from dspark.runner.draft_pieces import DraftPieces
 from dspark.runner.draft_graphs import (DUMMY_BLOCK_ID, DUMMY_REQUEST_PREFIX, DUMMY_START,
                                         NEUTRAL_CONFIDENCE_LOGIT, DraftGraphs, is_reserved_request_id)
 from dspark.runner.graphs import DUMMY_TOKEN_ID
@@ -44,8 +48,39 @@ def drafter(request, tmp_path_factory, target_dir):
                         torch.float32)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+class InPlacePiece:
+    """A captured piece as its caller sees a CUDA graph: `out` stays the same tensors, and a
+    replay recomputes them in place from whatever the piece was captured over."""
+
+    def __init__(self, fn):
+        self.fn, self.out = fn, fn()
+
+    def __call__(self):
+        for old, new in zip(self.out, self.fn()):
+            if old is not None:
+                old.copy_(new)
+        return self.out
+
+
+class StalePiece(InPlacePiece):
+    """A piece whose replay does nothing: its outputs stay those of the capture."""
+
+    def __call__(self):
+        return self.out
+
+
+def piecewise_graphs(drafter, capture=InPlacePiece) -> DraftGraphs:
+    """DraftGraphs whose buckets replay through the CUDA backend's loop with `capture`d pieces."""
+    g = DraftGraphs(drafter, "eager", BUCKETS, CPU, BLOCK, MAX_PAGES)
+    with torch.inference_mode():
+        g.runners = {b: DraftPieces(drafter, b, capture) for b in BUCKETS}
+    return g
+
+
+@pytest.fixture(scope="module", params=BACKENDS + ["pieces"])
 def graphs(request, drafter):
+    if request.param == "pieces":
+        return piecewise_graphs(drafter)
     g = DraftGraphs(drafter, request.param, BUCKETS, CPU, BLOCK, MAX_PAGES)
     g.capture(fresh_kv(drafter))
     return g
@@ -247,16 +282,18 @@ def test_compiled_replays_never_recompile(drafter):
         propose(drafter, kv, anchors, starts, tables, BLOCK, None, kv_len=8, run_block=g.runners[4])
 
 
-def test_cuda_mode_runs_the_padded_path_eagerly_warned_once_and_counted(drafter, caplog):
+def test_the_piecewise_check_catches_a_replay_that_does_not_recompute(drafter):
     kv = fresh_kv(drafter)
-    with caplog.at_level(logging.WARNING):
-        g = DraftGraphs(drafter, "cuda", BUCKETS, CPU, BLOCK, MAX_PAGES)
-        g.capture(kv)
-        for r in (1, 3):
-            out, ref = run_both(g, drafter, kv, r)
-            assert torch.equal(out.proposal.tokens, ref.tokens)
-    assert caplog.text.count("no CUDA-graph capture yet") == 1
-    assert g.stats.uncaptured_steps == 2 and g.runners == {b: None for b in BUCKETS}
+    out, ref = run_both(piecewise_graphs(drafter, capture=StalePiece), drafter, kv, 3, seed=3)
+    assert not torch.equal(out.proposal.tokens, ref.tokens)
+
+
+def test_a_captured_draft_bucket_refuses_another_shape(drafter):
+    pieces = piecewise_graphs(drafter).runners[4]
+    assert len(pieces.pieces) == drafter.config.num_layers + 1
+    ids = torch.zeros(2, drafter.config.num_block_slots, dtype=torch.long)
+    with pytest.raises(ValueError, match="captured at \\(4, "), torch.inference_mode():
+        pieces(drafter, ids, ids, [], [], torch.ones(2, 4, dtype=torch.bool), ids[:, 0])
 
 
 def test_a_failed_capture_is_an_error_or_a_counted_fallback(drafter, monkeypatch, caplog):
@@ -281,3 +318,5 @@ def test_bad_configuration():
         DraftGraphs(None, "auto", BUCKETS, CPU, BLOCK, MAX_PAGES)
     with pytest.raises(ValueError, match="increasing positive"):
         DraftGraphs(None, "eager", [4, 2], CPU, BLOCK, MAX_PAGES)
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        DraftGraphs(None, "cuda", BUCKETS, CPU, BLOCK, MAX_PAGES)

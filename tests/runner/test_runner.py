@@ -48,7 +48,7 @@ def test_what_ran_is_counted_in_the_engine_load(pair):
     before = llm.engine.load().runner
     assert set(before) == {"target_graph_steps", "target_eager_steps", "target_fused_steps",
                            "capture_fallbacks", "draft_graph_steps", "draft_eager_steps",
-                           "draft_uncaptured_steps", "dummy_steps", "varlen_attention_calls",
+                           "dummy_steps", "varlen_attention_calls",
                            "attention_fallbacks"}
     out = llm.generate([[3, 9, 4, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     after = llm.engine.load().runner

@@ -1,0 +1,90 @@
+"""The draft step's block pass as piecewise CUDA graphs (`--graph cuda`), one set per request bucket.
+
+As for the target (backends.py), the pass is cut at its attention calls, the one part whose
+shapes follow the context length L rather than the bucket. Each piece between them is one
+`torch.cuda.CUDAGraph` over static tensors: `Drafter.block_enter` (embeddings, rotary tables,
+layer 0's q/k/v), one `Drafter.block_transition` per layer, and the head (`block_outputs`: the
+γ draft rows, their base logits over the draft vocabulary, the Markov state). Attention runs
+eagerly between the pieces and writes into one static buffer the next piece reads. The Markov
+loop runs after the graphs, eagerly, because seeded rows draw from their own generators.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+import torch
+
+from dspark.models.drafter import BlockState, Drafter, block_mask
+from dspark.runner.backends import CUDA_WARMUP_RUNS, CudaGraphPiece, PieceCapture
+from dspark.runner.graphs import DUMMY_TOKEN_ID
+from dspark.spec.draft import block_outputs
+
+logger = logging.getLogger(__name__)
+
+
+class DraftPieces:
+    """One request bucket's block pass, callable as `block_pass` is (spec/draft.py: `run_block`).
+
+    The pieces read only static tensors: this bucket's `block_ids`, `positions` and `anchors`
+    (refreshed in place at every call), the previous piece's outputs and `attn_in`. The head's
+    outputs are returned as copies, because any later replay in the shared pool overwrites them.
+    """
+
+    def __init__(self, drafter: Drafter, rows: int, capture: PieceCapture):
+        cfg = drafter.config
+        device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+        slots = cfg.num_block_slots
+        self.block_ids = torch.full((rows, slots), cfg.mask_token_id, dtype=torch.long, device=device)
+        self.positions = torch.arange(slots, device=device).repeat(rows, 1)           # [Rb, S]
+        self.anchors = torch.full((rows,), DUMMY_TOKEN_ID, dtype=torch.long, device=device)
+        self.attn_in = torch.zeros(rows, slots, cfg.num_heads * cfg.head_dim, dtype=dtype,
+                                   device=device)                                     # [Rb, S, H*D]
+        self.pieces = [capture(functools.partial(drafter.block_enter, self.block_ids, self.positions))]
+        for i in range(cfg.num_layers):
+            prev = self.pieces[-1].out
+            self.pieces.append(capture(functools.partial(drafter.block_transition, i, prev, self.attn_in)))
+        last = self.pieces[-1].out
+        self.head = capture(functools.partial(_head, drafter, last, self.anchors))
+
+    def __call__(self, drafter: Drafter, block_ids: torch.Tensor, positions: torch.Tensor,
+                 ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], ctx_valid: torch.Tensor,
+                 anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """block_ids/positions [Rb, S], ctx per layer [Rb, L, KVH, D], ctx_valid [Rb, L]
+        -> (h [Rb, γ, d], base logits fp32 [Rb, γ, V_draft], Markov state or None)."""
+        if block_ids.shape != self.block_ids.shape:
+            raise ValueError(f"a bucket captured at {tuple(self.block_ids.shape)} block rows cannot "
+                             f"replay {tuple(block_ids.shape)}")
+        self.block_ids.copy_(block_ids)
+        self.positions.copy_(positions)
+        self.anchors.copy_(anchors)
+        s: BlockState = self.pieces[0]()
+        mask = block_mask(ctx_valid, block_ids.shape[1])
+        for i in range(drafter.config.num_layers):
+            self.attn_in.copy_(drafter.block_attention(i, s, ctx_k[i], ctx_v[i], mask))
+            s = self.pieces[i + 1]()
+        h, base, state = self.head()
+        return h.clone(), base.clone(), None if state is None else state.clone()
+
+
+def _head(drafter: Drafter, s: BlockState, anchors: torch.Tensor):
+    return block_outputs(drafter, s.x, anchors)
+
+
+def capture_draft_bucket(drafter: Drafter, rows: int, warm_up: Callable[[], object], pool) -> DraftPieces:
+    """Run `warm_up` (the bucket's eager draft step on dummies, writing nothing) on a side
+    stream, as PyTorch's CUDA-graph recipe asks (lazy kernel and cuBLAS initialisation must not
+    happen inside a capture), then capture the bucket's pieces into the draft step's pool."""
+    device = drafter.fc.weight.device
+    with torch.inference_mode():
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(CUDA_WARMUP_RUNS):
+                warm_up()
+        torch.cuda.current_stream(device).wait_stream(side)
+        pieces = DraftPieces(drafter, rows, lambda fn: CudaGraphPiece(fn, pool))
+    logger.debug("captured the %d-request draft bucket as %d CUDA graphs", rows, len(pieces.pieces) + 1)
+    return pieces
