@@ -75,6 +75,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     tr.add_argument("--init-from", default=None, metavar="DRAFTER",
                     help="start a new run from this exported drafter's weights and architecture "
                          "(a reduced draft vocabulary's dropped tokens start with zero Markov rows)")
+    tr.add_argument("--ce-labels", default=None, choices=["sampled", "argmax"],
+                    help="CE on the response's tokens (sampled, the default) or the target's argmax")
     tr.add_argument("--no-bf16", dest="bf16", action="store_const", const=False, default=None,
                     help="train in fp32 (slower on CPU)")
 
@@ -145,6 +147,8 @@ def train_config(args) -> TrainConfig:
     if changed:
         logger.warning("overriding the run's saved settings (saved, new): %s", changed)
     fields.update({k: v for k, v in explicit.items() if v is not None})
+    if args.ce_labels is not None:
+        fields["loss"] = {**dict(fields.get("loss") or {}), "ce_labels": args.ce_labels}
     return TrainConfig(**fields)
 
 

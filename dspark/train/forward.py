@@ -17,7 +17,9 @@ back-propagated through by the drafter, and the teacher is the target's distribu
 over the draft ids (the softmax of its logits at those ids), which is what the drafter can match.
 A label outside the draft vocabulary cannot be drafted, so it leaves the CE term (its slot still
 counts in the L1 and confidence terms) and is counted; a target argmax outside it is a greedy
-miss, as it is at inference.
+miss, as it is at inference. The CE label is the response's token, or with
+`LossWeights.ce_labels = "argmax"` the target's argmax at the same position (the teacher forcing
+of the Markov head's previous token stays the response's).
 """
 
 from __future__ import annotations
@@ -204,8 +206,8 @@ def training_forward(drafter: Drafter, extractor: TargetFeatureExtractor, batch:
         teacher = torch.softmax(logits, dim=-1)                                   # [U, V_draft]
     index = sel.teacher_index.to(dev)
     weights = position_weights(batch.supervised.shape[1], alphas.decay).to(dev)[sel.slots.to(dev)]
-    labels = batch.labels.to(dev)[sel.blocks.to(dev), sel.slots.to(dev)]
     top, label_mask, outside = target_argmax[index], None, 0
+    labels = top if alphas.ce_labels == "argmax" else batch.labels.to(dev)[sel.blocks.to(dev), sel.slots.to(dev)]
     if vocab is not None:
         labels, label_mask = vocab.to_draft(labels)
         top, top_inside = vocab.to_draft(top)

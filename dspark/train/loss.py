@@ -33,6 +33,15 @@ class LossWeights:
     l1: float = 0.9        # α_tv (applied to the full L1 distance)
     conf: float = 1.0      # α_conf
     decay: float = 4.0     # w_k = exp(-k / decay), k the 0-based slot
+    ce_labels: str = "sampled"   # CE on the response's token y_{a+k+1}, or on the target's argmax
+                                 # at a+k ("argmax": what greedy verification accepts)
+
+    def __post_init__(self) -> None:
+        if self.ce_labels not in CE_LABELS:
+            raise ValueError(f"ce_labels must be one of {CE_LABELS}, not {self.ce_labels!r}")
+
+
+CE_LABELS = ("sampled", "argmax")
 
 
 @dataclass

@@ -265,3 +265,25 @@ def test_prune_vocab_from_the_training_data_writes_the_coverage_in_the_card(tmp_
     card = open(os.path.join(args.out, "README.md")).read()
     assert coverage_note(counts, keep, VOCAB, f"dspark prune-vocab --size 24 --data-dir {data_dir}") in card
     assert f"{100 * coverage(counts.heldout, keep):.2f}% on the {len(held)} held-out" in caplog.text
+
+
+def test_ce_on_the_target_argmax_takes_the_teacher_s_top_token_as_the_label(target):
+    """`ce_labels="argmax"` is the CE a batch whose labels were the target's argmax would give;
+    the L1 and confidence terms, which never read the label, are unchanged."""
+    import dataclasses
+    drafter, ext, batch = make_drafter(target), extractor(target), make_batch(seed=3)
+    sel = supervised_slots(batch)
+    with torch.no_grad():
+        feats = ext(batch.tokens, batch.seq_offsets, sel.teacher_rows, None)
+        argmax_labels = batch.labels.clone()
+        argmax_labels[sel.blocks, sel.slots] = feats.teacher_logits.argmax(-1)[sel.teacher_index]
+        assert not torch.equal(argmax_labels, batch.labels)
+        sampled, _ = training_forward(drafter, ext, batch, LossWeights(), autocast=False)
+        argmax, _ = training_forward(drafter, ext, batch, LossWeights(ce_labels="argmax"), autocast=False)
+        relabelled, _ = training_forward(drafter, ext, dataclasses.replace(batch, labels=argmax_labels),
+                                         LossWeights(), autocast=False)
+    torch.testing.assert_close(argmax.ce, relabelled.ce)
+    assert not torch.allclose(argmax.ce, sampled.ce)
+    torch.testing.assert_close(argmax.l1, sampled.l1)
+    with pytest.raises(ValueError, match="ce_labels"):
+        LossWeights(ce_labels="greedy")

@@ -289,6 +289,10 @@ def test_rerun_warns_only_about_settings_that_changed(tmp_path, caplog):
         cfg = train_config(parser.parse_args(base + ["--extra-data-dir", "y", "--steps", "6"]))
     assert cfg.extra_data_dirs == ("y",) and cfg.steps == 6
     assert "'extra_data_dirs': (['x'], ('y',))" in caplog.text and "'steps': (5, 6)" in caplog.text
+    assert cfg.loss.ce_labels == "sampled"
+    (tmp_path / CONFIG).write_text(json.dumps({"out_dir": str(tmp_path), "loss": {"ce": 0.2}}))
+    cfg = train_config(parser.parse_args(["--out", str(tmp_path), "--ce-labels", "argmax"]))
+    assert cfg.loss.ce_labels == "argmax" and cfg.loss.ce == 0.2     # the saved weights are kept
 
 
 def test_a_reduced_draft_vocabulary_trains_resumes_and_serves(tiny_run):
