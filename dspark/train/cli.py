@@ -12,7 +12,6 @@ command trains. Every long action picks up where an interrupted run of it stoppe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -184,7 +183,4 @@ def _trainer(args, train: bool) -> Trainer:
     has_checkpoint = os.path.isfile(os.path.join(args.out, CHECKPOINT))
     if (args.resume or (args.export and not train)) and not has_checkpoint:
         raise FileNotFoundError(f"{args.out} has no {CHECKPOINT} to resume or export from")
-    cfg = train_config(args)
-    if not train:      # export only: the checkpoint's own settings, no data needed
-        cfg = dataclasses.replace(cfg, eval_sequences=0)
-    return Trainer(cfg, load_data=train)
+    return Trainer(train_config(args), load_data=train)     # export only: no data loaded

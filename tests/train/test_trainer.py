@@ -13,7 +13,7 @@ from dspark.train.cli import add_train_args, run_train
 from dspark.train.features import TargetFeatureExtractor
 from dspark.train.forward import block_context, draft_rows, supervised_slots
 from dspark.train.loss import build_block_batch
-from dspark.train.train_config import default_target_layer_ids, pick_mask_token_id
+from dspark.train.train_config import CONFIG, default_target_layer_ids, pick_mask_token_id
 from dspark.train.trainer import LOG, Trainer
 from train_helpers import run_config as config
 
@@ -268,6 +268,9 @@ def test_cli_trains_resumes_exports_and_plots(tiny_run, capsys):
     last_eval = [json.loads(x) for x in open(os.path.join(out, LOG)) if '"eval"' in x][-1]
     assert "4 steps of 4 sequences" in card and f"{last_eval['tau']:.2f} |" in card
     assert os.path.isfile(os.path.join(out, "drafter", "training_curves.png"))
+    # exporting alone leaves the run's settings as they were: a later resume still evaluates
+    run_train(parser.parse_args(["--out", out, "--export", out + "/again"]))
+    assert json.load(open(os.path.join(out, CONFIG)))["eval_sequences"] == 4
 
 
 def test_rerun_warns_only_about_settings_that_changed(tmp_path, caplog):
@@ -275,7 +278,6 @@ def test_rerun_warns_only_about_settings_that_changed(tmp_path, caplog):
     overrides, different ones must."""
     import argparse
     from dspark.train.cli import train_config
-    from dspark.train.train_config import CONFIG
     (tmp_path / CONFIG).write_text(json.dumps({"out_dir": str(tmp_path), "steps": 5,
                                                "target_layer_ids": [1, 2],
                                                "extra_data_dirs": ["x"]}))
