@@ -50,10 +50,6 @@ class Sequence:
         self.group: SampleGroup | None = None  # the completions sharing its prompt (n > 1)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

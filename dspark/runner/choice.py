@@ -91,12 +91,6 @@ def choose_cpu_mode(fingerprint: dict, cache_path: Path, measure: Callable[[], t
     return choice
 
 
-def median_step_ms(run: Callable[[], object], replays: int = 7, warmup: int = 2,
-                   timer: Callable[[], float] = time.perf_counter) -> float:
-    """Median wall time of `run()` in ms over `replays` calls after `warmup` untimed ones."""
-    return interleaved_medians_ms({"run": run}, replays, warmup, timer)["run"]
-
-
 def interleaved_medians_ms(runs: dict[str, Callable[[], object]], replays: int = 7, warmup: int = 2,
                            timer: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median wall time in ms of each run, the runs taking turns call by call, after `warmup`

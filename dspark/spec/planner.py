@@ -303,11 +303,3 @@ def _extrapolated(table: np.ndarray, start: int, stop: int) -> np.ndarray:
     half = max(1, n // 2)
     slope = max(0.0, float(table[n] - table[half]) / max(1, n - half))
     return np.where(idx > n, table[n] + slope * (idx - n), inside)
-
-
-def plan_budget(survival: torch.Tensor | np.ndarray, table: CostTable, num_sampling: int, other_tokens: int,
-                min_gain: float = 0.05) -> int:
-    """B* = argmax_b (N_sampling + Σ_{i<b} S_i) / (draft_cost[R] + verify_cost[T_other + b]) when
-    every request drafts (`plan_step` with the draft set fixed to all of them)."""
-    r = survival.shape[0]
-    return plan_step(survival, table, num_sampling, other_tokens, min_gain, forced=[True] * r).budget

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark.runner.choice import (GraphChoice, auto_mode, choose_cpu_mode,
-                                        interleaved_medians_ms, median_step_ms, one_token_step)
+                                        interleaved_medians_ms, one_token_step)
 from tiny import save_tiny
 
 FINGERPRINT = {"model": "/models/a", "dtype": "bfloat16", "torch": "2.13.0", "num_threads": 2}
@@ -72,7 +72,8 @@ def test_the_cache_keeps_only_the_newest_verdicts(tmp_path):
 def test_median_step_time_uses_a_fake_timer():
     ticks = iter([0.0, 0.004, 1.0, 1.001, 2.0, 2.010])      # three timed runs: 4, 1, 10 ms
     runs = []
-    ms = median_step_ms(lambda: runs.append(1), replays=3, warmup=2, timer=lambda: next(ticks))
+    ms = interleaved_medians_ms({"run": lambda: runs.append(1)}, replays=3, warmup=2,
+                                timer=lambda: next(ticks))["run"]
     assert ms == pytest.approx(4.0) and len(runs) == 5
 
 
@@ -103,7 +104,7 @@ def test_auto_on_cpu_reuses_the_cached_verdict_and_says_why(tmp_path, tiny_model
 
 def test_the_eager_one_token_step_is_timed(tiny_model):
     step = one_token_step(tiny_model, "eager", torch.device("cpu"), (0, 1))
-    ms = median_step_ms(step, replays=3)
+    ms = interleaved_medians_ms({"step": step}, replays=3)["step"]
     assert 0 < ms < 1000
 
 

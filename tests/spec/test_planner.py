@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from dspark.spec.allocate import allocate
-from dspark.spec.planner import CostTable, _set_prefix_sums, plan_budget, plan_step
+from dspark.spec.planner import CostTable, _set_prefix_sums, plan_step
+
+
+def plan_budget(survival, table, num_sampling, other_tokens, min_gain=0.05) -> int:
+    """The budget `plan_step` gives when every request drafts."""
+    forced = [True] * survival.shape[0]
+    return plan_step(survival, table, num_sampling, other_tokens, min_gain, forced=forced).budget
 
 TABLES = {
     "flat": lambda t: 10.0,

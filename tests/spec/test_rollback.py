@@ -34,7 +34,7 @@ def test_committed_kv_equals_fresh_prefill(tmp_path):
     n = seq.num_computed_tokens
     assert n == seq.num_tokens - 1                       # everything but the anchor is cached
     fresh = llm().engine
-    fid = fresh.add_request(seq.all_token_ids[:n], SamplingParams(temperature=0, max_tokens=1))
+    fid = fresh.add_request((seq.prompt_token_ids + seq.output_token_ids)[:n], SamplingParams(temperature=0, max_tokens=1))
     fresh_seq = fresh.requests[fid]
     sched = fresh.scheduler.schedule()                   # one prefill step, inspected before commit
     fresh.worker.execute(fresh._worker_batch(sched))
@@ -94,7 +94,7 @@ def test_rows_held_past_another_requests_drafting_steps_reach_the_drafter_intact
         seq = engine.requests[rid]
         n = seq.num_computed_tokens
         fresh = llm().engine
-        fid = fresh.add_request(seq.all_token_ids[:n], SamplingParams(temperature=0, max_tokens=1))
+        fid = fresh.add_request((seq.prompt_token_ids + seq.output_token_ids)[:n], SamplingParams(temperature=0, max_tokens=1))
         fresh.worker.execute(fresh._worker_batch(fresh.scheduler.schedule()))
         fresh.worker.sync_draft_context()
         _, got = committed_kv(engine, seq, n)
