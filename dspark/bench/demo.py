@@ -35,17 +35,12 @@ def _agreement(spec: list[int], plain: list[int], dtype: str) -> str:
 
 
 def run_demo(args) -> None:
-    from dspark import LLM, SamplingParams
+    from dspark import SamplingParams
+    from dspark.bench.engines import plain_and_spec
     from dspark.cli import format_spec_stats
-    from dspark.config import AUTO, EMBEDDED
-    plain = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=None)
-    drafter = None if args.no_drafter else args.drafter
-    if drafter == AUTO:
-        drafter = EMBEDDED if args.model is None else None
-    if drafter is None and not args.no_drafter:
+    plain, spec = plain_and_spec(args)
+    if spec is None and not args.no_drafter:
         print("(no drafter for this model: pass --drafter to compare; showing plain decoding only)")
-    spec = None if drafter is None else LLM(args.model, dtype=args.dtype, num_threads=args.threads,
-                                            drafter=drafter)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     prompts = _prompts(plain.tokenizer)
     for llm in filter(None, (plain, spec)):

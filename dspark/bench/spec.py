@@ -30,10 +30,10 @@ def _run(engines: dict, prompts, params) -> dict[str, tuple[int, float, list]]:
 
 
 def run_spec_bench(args) -> None:
-    from dspark import LLM, SamplingParams
-    plain = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=None)
-    spec = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=args.drafter)
-    if spec.engine.drafter is None:
+    from dspark import SamplingParams
+    from dspark.bench.engines import plain_and_spec
+    plain, spec = plain_and_spec(args)
+    if spec is None:
         raise SystemExit("bench --mode spec compares against a drafter: pass --drafter for this model")
     from dspark.bench.prompts import file_prompts
     kinds = (file_prompts(args.data, plain.tokenizer, args.num_prompts)
@@ -41,7 +41,8 @@ def run_spec_bench(args) -> None:
     for llm in (plain, spec):
         llm.generate([kinds["code"][0]], SamplingParams(temperature=0, max_tokens=8))      # warm-up
     temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
-    rows, summary = [], {"bench": "spec", "dtype": args.dtype, "max_tokens": args.batch1_tokens}
+    rows, summary = [], {"bench": "spec", "dtype": args.dtype, "max_tokens": args.batch1_tokens,
+                         "spec_schedule": args.spec_schedule}
     for temperature in temperatures:
         for kind, prompts in kinds.items():
             row, result = _measure(plain, spec, prompts, temperature, args)

@@ -23,20 +23,40 @@ def test_each_prompt_runs_on_both_engines_before_the_next():
     assert runs["dspark"][2] == [[0, 1, 2, 3, 4]] * 3 and runs["plain"][1] > 0
 
 
-def test_spec_bench_over_temperatures(tmp_path, capsys):
-    import json
-    import types
+def spec_args(tmp_path, *flags):
+    import argparse
 
-    from dspark.bench.spec import run_spec_bench
+    from dspark.bench import add_bench_args
     from tiny import save_random_drafter, save_tiny
     save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=3)
     save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
-    args = types.SimpleNamespace(
-        model=str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", threads=None, data=None,
-        num_prompts=2, batch1_tokens=12, repetitions=2, temperatures="0,0.7",
-        prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5], [6, 7]], "code": [[7, 8, 9, 10]]})
-    run_spec_bench(args)
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    args = p.parse_args(["--mode", "spec", "--model", str(tmp_path / "t"), "--drafter", str(tmp_path / "d"),
+                         "--dtype", "float32", "--graph", "eager", "--num-prompts", "2",
+                         "--batch1-tokens", "12", "--repetitions", "2", *flags])
+    args.prompt_source = lambda data, tok, n: {"chat": [[3, 4, 5], [6, 7]], "code": [[7, 8, 9, 10]]}
+    return args
+
+
+def test_spec_bench_over_temperatures(tmp_path, capsys):
+    import json
+
+    from dspark.bench.spec import run_spec_bench
+    run_spec_bench(spec_args(tmp_path, "--temperatures", "0,0.7"))
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(report) >= {"chat@0", "code@0", "chat@0.7", "code@0.7"}
     assert report["chat@0"]["identical_output"] is True and report["code@0.7"]["identical_output"] is None
     assert all(report[k]["tau"] >= 1.0 and report[k]["speedup"] > 0 for k in ("chat@0", "chat@0.7"))
+
+
+def test_the_engine_flags_reach_both_engines(tmp_path, monkeypatch):
+    """`--spec-schedule verify-all` (any engine flag) builds the DSpark engine; the plain one is
+    the same engine without its drafter."""
+    from dspark.bench.engines import plain_and_spec
+    plain, spec = plain_and_spec(spec_args(tmp_path, "--spec-schedule", "verify-all", "--max-num-seqs", "3"))
+    assert spec.engine.policy is None and spec.engine.drafter is not None
+    assert plain.engine.drafter is None
+    assert spec.engine.config.scheduler.max_num_seqs == plain.engine.config.scheduler.max_num_seqs == 3
+    _, spec = plain_and_spec(spec_args(tmp_path))
+    assert spec.engine.policy is not None                      # the default: the adaptive policy
