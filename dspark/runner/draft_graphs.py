@@ -28,7 +28,6 @@ than the largest bucket, or tables wider than the buffers, run unpadded and are 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +40,6 @@ from dspark.spec.sampler import SamplingTensors
 from dspark.spec.types import DraftProposal
 from dspark.runner.draft_pieces import DraftPieces, capture_draft_bucket
 from dspark.runner.graphs import DUMMY_TOKEN_ID, StepGraphs, capture_largest_first, token_buckets
-
-logger = logging.getLogger(__name__)
 
 DUMMY_REQUEST_PREFIX = "__dspark_dummy__:"   # reserved: no live request id may start with it
 DUMMY_START = 0                  # a dummy anchor sits at position 0: no context before it
