@@ -44,6 +44,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
+    from dspark.bench.engines import refuse_ignored_engine_flags
+    refuse_ignored_engine_flags(args)
     if args.mode == "plain":
         from dspark.bench.plain import run_plain_bench
         run_plain_bench(args)

@@ -60,3 +60,22 @@ def test_the_engine_flags_reach_both_engines(tmp_path, monkeypatch):
     assert spec.engine.config.scheduler.max_num_seqs == plain.engine.config.scheduler.max_num_seqs == 3
     _, spec = plain_and_spec(spec_args(tmp_path))
     assert spec.engine.policy is not None                      # the default: the adaptive policy
+
+
+def test_a_mode_refuses_the_engine_flags_it_does_not_pass_on():
+    import argparse
+
+    import pytest
+
+    from dspark.bench import add_bench_args
+    from dspark.bench.engines import refuse_ignored_engine_flags
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    refuse_ignored_engine_flags(p.parse_args(["--mode", "sweep", "--threads", "2", "--min-gain", "0.1"]))
+    refuse_ignored_engine_flags(p.parse_args(["--mode", "spec", "--spec-schedule", "verify-all"]))
+    with pytest.raises(SystemExit, match="--mode sweep does not pass --max-num-seqs, --spec-schedule"):
+        refuse_ignored_engine_flags(p.parse_args(["--mode", "sweep", "--spec-schedule", "verify-all",
+                                                  "--max-num-seqs", "3"]))
+    with pytest.raises(SystemExit, match="--mode plain does not pass --no-drafter"):
+        refuse_ignored_engine_flags(p.parse_args(["--mode", "plain", "--no-drafter"]))
+    refuse_ignored_engine_flags(p.parse_args(["--mode", "dp", "--no-drafter", "--dp", "2"]))
