@@ -18,6 +18,7 @@ from dspark.train.plot import read_log
 from dspark.train.schedule import describe_schedule
 
 CURVES = "training_curves.png"
+_CE_LABELS = {"sampled": "on the response tokens", "argmax": "on the target's argmax"}
 
 
 def _data_section(data_dirs: tuple[str, ...], max_len: int, min_loss_tokens: int) -> list[str]:
@@ -66,6 +67,20 @@ def _baseline(evals: list[dict]) -> str:
             f"(argmax match).")
 
 
+def _progress_table(train: list[dict], evals: list[dict], batch_size: int, num_train: int) -> list[str]:
+    """Held-out τ at every eval against what the run had trained on by then: target tokens
+    (the log's, a step logged twice after a restart counted once) and training sequences."""
+    tokens_at = {r["step"]: r["tokens"] for r in train}                # the last record of a step
+    lines = ["| step | target tokens trained on | training sequences drawn (distinct) | "
+             "τ (T = 1) | τ (argmax match) |", "|---|---|---|---|---|"]
+    for e in evals:
+        tokens = sum(t for step, t in tokens_at.items() if step <= e["step"])
+        drawn = e["step"] * batch_size
+        lines.append(f"| {e['step']} | {tokens} | {drawn} ({min(drawn, num_train)}) | "
+                     f"{e['tau']:.3f} | {e['tau_greedy']:.3f} |")
+    return lines
+
+
 def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_params: int) -> str:
     """README.md (and the curves PNG, if plotted) into `export_dir`."""
     train, evals = read_log(os.path.join(run_dir, "train_log.jsonl"))
@@ -84,7 +99,8 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
         "## Training", "",
         f"`dspark train-draft`: {steps} steps of {cfg.batch_size} sequences × {cfg.anchors_per_seq} "
         f"anchor blocks, AdamW lr {cfg.lr} ({describe_schedule(cfg)}), grad clip "
-        f"{cfg.grad_clip}, {'bf16 autocast' if cfg.bf16 else 'fp32'}, loss {cfg.loss.ce} CE + {cfg.loss.l1} L1 + "
+        f"{cfg.grad_clip}, {'bf16 autocast' if cfg.bf16 else 'fp32'}, loss {cfg.loss.ce} CE "
+        f"({_CE_LABELS[cfg.loss.ce_labels]}) + {cfg.loss.l1} L1 + "
         f"{cfg.loss.conf} BCE with position weights exp(−k/{cfg.loss.decay:g}); "
         f"{seconds / 3600:.1f} h of step time on a 2-core CPU.", ""]
     if cfg.init_from:
@@ -95,6 +111,11 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
         lines += [f"Held-out ({last['slots']} supervised slots, step {last['step']}): loss "
                   f"{last['loss']:.3f}, per-position acceptance and τ (1 + Σ cumulative products):",
                   "", *_eval_table(last), ""]
+    if len(evals) > 1:
+        num_train = sum(len(load_samples(d, False, cfg.max_seq_len, cfg.min_loss_tokens))
+                        for d in cfg.train_data_paths)
+        lines += ["Held-out τ against what the run had trained on (this run's steps only):", "",
+                  *_progress_table(train, evals, cfg.batch_size, num_train), ""]
     curves = os.path.join(run_dir, CURVES)
     if os.path.isfile(curves):
         shutil.copyfile(curves, os.path.join(export_dir, CURVES))

@@ -268,6 +268,9 @@ def test_cli_trains_resumes_exports_and_plots(tiny_run, capsys):
     last_eval = [json.loads(x) for x in open(os.path.join(out, LOG)) if '"eval"' in x][-1]
     assert "4 steps of 4 sequences" in card and f"{last_eval['tau']:.2f} |" in card
     assert os.path.isfile(os.path.join(out, "drafter", "training_curves.png"))
+    # τ against what the run had trained on, one row per eval: tokens summed from the log
+    train_tokens = sum(json.loads(x)["tokens"] for x in open(os.path.join(out, LOG)) if '"train"' in x)
+    assert f"| 4 | {train_tokens} | 16 (" in card and f"| {last_eval['tau_greedy']:.3f} |" in card
     # exporting alone leaves the run's settings as they were: a later resume still evaluates
     run_train(parser.parse_args(["--out", out, "--export", out + "/again"]))
     assert json.load(open(os.path.join(out, CONFIG)))["eval_sequences"] == 4
