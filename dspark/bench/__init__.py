@@ -30,7 +30,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-requests", type=int, default=8,
                    help="sweep: requests per level at least (a level of concurrency c runs max(c, this))")
     p.add_argument("--png", default="bench_sweep.png", help="sweep: where to write the plot")
-    p.add_argument("--ablate", default=None, choices=("kept-plans", "draft-overhead"),
+    from dspark.bench.policy_ab import MECHANISMS
+    p.add_argument("--ablate", default=None, choices=MECHANISMS,
                    help="policy: the mechanism switched on and off in one engine")
     p.add_argument("--graph-backends", default="eager,compile",
                    help="graphs: comma-separated backends to compare (eager, compile, cuda)")

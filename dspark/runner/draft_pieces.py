@@ -47,7 +47,7 @@ class DraftPieces:
             prev = self.pieces[-1].out
             self.pieces.append(capture(functools.partial(drafter.block_transition, i, prev, self.attn_in)))
         last = self.pieces[-1].out
-        self.head = capture(functools.partial(_head, drafter, last, self.anchors))
+        self.head = capture(functools.partial(block_outputs, drafter, last.x, self.anchors))
 
     def __call__(self, drafter: Drafter, block_ids: torch.Tensor, positions: torch.Tensor,
                  ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], ctx_valid: torch.Tensor,
@@ -67,10 +67,6 @@ class DraftPieces:
             s = self.pieces[i + 1]()
         h, base, state = self.head()
         return h.clone(), base.clone(), None if state is None else state.clone()
-
-
-def _head(drafter: Drafter, s: BlockState, anchors: torch.Tensor):
-    return block_outputs(drafter, s.x, anchors)
 
 
 def capture_draft_bucket(drafter: Drafter, rows: int, warm_up: Callable[[], object], pool) -> DraftPieces:

@@ -207,7 +207,8 @@ def training_forward(drafter: Drafter, extractor: TargetFeatureExtractor, batch:
     index = sel.teacher_index.to(dev)
     weights = position_weights(batch.supervised.shape[1], alphas.decay).to(dev)[sel.slots.to(dev)]
     top, label_mask, outside = target_argmax[index], None, 0
-    labels = top if alphas.ce_labels == "argmax" else batch.labels.to(dev)[sel.blocks.to(dev), sel.slots.to(dev)]
+    labels = top if alphas.ce_labels == "argmax" else \
+        batch.labels.to(dev)[sel.blocks.to(dev), sel.slots.to(dev)]
     if vocab is not None:
         labels, label_mask = vocab.to_draft(labels)
         top, top_inside = vocab.to_draft(top)

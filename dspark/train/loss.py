@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 
 
+CE_LABELS = ("sampled", "argmax")
+
+
 @dataclass(frozen=True)
 class LossWeights:
     ce: float = 0.1        # α_ce
@@ -39,9 +42,6 @@ class LossWeights:
     def __post_init__(self) -> None:
         if self.ce_labels not in CE_LABELS:
             raise ValueError(f"ce_labels must be one of {CE_LABELS}, not {self.ce_labels!r}")
-
-
-CE_LABELS = ("sampled", "argmax")
 
 
 @dataclass
