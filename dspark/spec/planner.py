@@ -1,20 +1,15 @@
-"""The verify budget: how many drafted tokens the next step verifies in total.
+"""The plan of a step: which requests draft and how many drafted tokens are verified in total.
 
-The engine's step cost is far from linear in the tokens it verifies (graph buckets, GEMM tiles,
-a fixed per-step floor), so the budget is chosen against a measured cost table: the B that
-maximises expected committed tokens per millisecond,
+Step cost is far from linear in the tokens verified (graph buckets, GEMM tiles, a per-step
+floor), so plans are priced with a measured cost table: over draft sets (a drafter pass for r
+requests costs draft_cost[r]; r = 0 is a plain step) and budgets b, the plan maximising
 
-    B* = argmax_b (N_sampling + Σ_{i<b} S_i) / (draft_cost[R] + verify_cost[T_other + b]),
+    (N_sampling + Σ_{i<b} S_i) / (draft_cost[r] + verify_cost[T_other + b])
 
-over the sorted survivals S of an earlier step (reference/dspark_algorithm.md §7.4, §7.6). The
-same argmax also decides which requests draft at all (a drafter pass for r requests costs
-draft_cost[r]; with none, the step is plain decoding). Using only earlier confidences is what
-keeps both independent of the tokens they admit (non-anticipation); which slots fill the budget
-is decided on the device from the current survivals (`allocate.py`).
-
-All of it runs on the host between steps, over a few hundred numbers, so it is numpy: the same
-arithmetic as torch operators costs some microseconds of dispatch per operator, a visible share
-of a small step (docs/measurements.md).
+over the sorted survivals S of an earlier step (reference/dspark_algorithm.md §7.4, §7.6).
+Which slots fill the budget is decided on the device from the current survivals (allocate.py).
+It runs on the host between steps over a few hundred numbers, hence numpy: torch's per-operator
+dispatch is a visible share of a small step (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -170,24 +165,14 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
               prefer_verify_all: bool = True, joining_tokens: int = 0) -> StepPlan:
     """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan.
 
-    Besides the budget, the plan picks which requests draft at all: a drafter pass has a cost of
-    its own (draft_cost[r] grows with the requests it drafts for), and when the expected drafts of
-    a request do not pay for its share of it, a plain decode row commits its one token cheaper.
     Candidate draft sets are the r requests with the most expected accepted drafts (Σ_k S_k),
-    plus every `forced` one; each set gets its best budget, and the best (set, budget) wins.
-
-    `other_tokens` are the step's tokens besides drafts (anchor rows and prefill chunks). The
-    result is verify-all (every request drafts, R·γ verified) unless the plan is predicted to gain
-    at least `min_gain` in tokens per millisecond (with `prefer_verify_all` off, the best plan
-    stands on its own); likewise a plan that drafts is preferred to drafting nothing only when it
-    gains `min_gain` over it. Steps larger than the table are priced along its last measured
-    slope.
-
-    `joining_tokens` of prefill join the step whatever is drafted. Drafts are priced at what they
-    add on top of them (often nothing past the drafter pass: the prefill's bucket has room), but
-    judged against the plain decode step without them: the prefill is paid for by its own
-    requests, and a step's tokens per millisecond with it inside would make any draft look cheap
-    next to a step that yields little.
+    plus every `forced` one; each gets its best budget and the best (set, budget) wins. With
+    `prefer_verify_all` the result is verify-all unless a plan gains at least `min_gain` in
+    tokens per millisecond over it; a plan that drafts must likewise gain `min_gain` over a plain
+    step. `other_tokens` are the step's tokens besides drafts (anchor and plain decode rows).
+    `joining_tokens` of prefill join whatever is drafted: drafts are priced at what they add on
+    top of them but judged against the plain decode step without them, since the prefill is
+    paid for by its own requests (docs/speculation.md, "The plan").
     """
     r_all, gamma = survival.shape
     full = r_all * gamma

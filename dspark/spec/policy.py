@@ -1,48 +1,20 @@
 """The speculation policy: which requests draft each step and how many drafts are verified.
 
 One object owns the decision. Inputs: each request's confidences from earlier rounds (STS
-calibrated), what rounds actually accepted, and the cost model (a table of step costs measured
-on this machine, spec_setup.py). Output: a typed `StepPlan` that the scheduler applies
-(undrafted requests decode one plain token) and the worker consumes (the verify budget). Its
-state is keyed by request id; nothing of it lives on the requests.
+calibrated), what rounds actually accepted, the step times the engine measures, and the cost
+model (a table of step costs measured on this machine, spec_setup.py). Output: a typed
+`StepPlan` that the scheduler applies (undrafted requests decode one plain token) and the worker
+consumes (the verify budget). Its state is keyed by request id; nothing of it lives on the
+requests.
 
-A request's price for the next round is a prediction of what that round will accept, made from
-information of earlier steps only (so the plan cannot depend on the drafts it admits; which
-drafts fill the budget is decided on the device, allocate.py):
-
-- its own survivals from `lag` rounds back, mapped through a per-position linear regression of
-  realised acceptance on exactly that price, fitted online over every verified round. Selecting
-  rounds by their price does not bias a regression on the price, where the earlier ratio
-  corrections (realised over priced on drafted rounds only) learned the optimism of the chosen
-  rounds and applied it to all, so that undrafted requests looked ever worse;
-- faded toward the population's acceptance per position (the mean over recent rounds) as the
-  request's evidence ages, its weight halving every `half_life` undrafted steps;
-- the population's evidence itself fades with time (`evidence_half_life` steps) toward an
-  optimistic prior of one round that accepted everything. Without this, a few bad early rounds
-  stop all drafting for good (nothing drafted, nothing learned): the fade makes the policy try
-  again after a while, at the price of one drafted step now and then where drafting does not pay.
-
-This replaces per-request probes: a request left undrafted is priced at the population's
-acceptance within a few steps, which is what a probe priced it at.
-
-The table is measured with the machine warm and the step alone; in the engine a drafting step
-also pays what the table does not see (the held context appended, the verify lengths read
-back, rounds recorded, its host work between cache-cold steps), and it is that share, not the
-whole step, that decides whether drafting pays. So the policy learns it online from the step
-times the engine measures: at each drafted decode step, its time over its table price minus the
-same excess of plain decode steps just before it (common load cancels), averaged over drafted
-steps, is added to every drafter pass's price (never below the table). Without plain steps to
-compare with (a request alone that always drafts) nothing is learned and the table stands.
-
-Pricing a step costs host time between steps that neither verify-all nor plain decoding has,
-and at the two ends of the load the answer rarely changes: under load nothing is drafted,
-alone a request verifies everything. So a plan at either end is kept without pricing for a
-stretch of 1, 2, 4 ... up to `max_kept` steps, doubling while priced plans keep giving the
-same answer. Drafting nothing ends with fewer candidates (a lighter step may pay) or a seeded
-request. Verifying everything is kept for a request alone only (with more, a drafted step
-costs enough that a wrong verify-all repeated costs more than pricing) and ends with a second
-candidate or a prefill joining. Evidence still fades over kept steps, so exploration keeps
-its pace; a kept verify-all plan expects what its priced plan expected per request.
+Every price is made from earlier steps only, so a plan cannot depend on the drafts it admits
+(which drafts fill the budget is decided on the device, allocate.py). Why each part is there,
+and the A/B runs that keep it: docs/speculation.md, "The speculation policy": the regression
+of realised acceptance on the lagged price (selection does not bias it, where ratio corrections
+did), the fade of a request's own evidence and of the population's toward an optimistic prior
+(so a few bad early rounds cannot stop drafting for good; it also replaces per-request probes),
+the drafting cost learned online against plain steps, and plans kept at the two ends of the
+load.
 """
 
 from __future__ import annotations
@@ -110,7 +82,7 @@ class AcceptanceModel:
         self._derived = None
 
     def fade(self, factor: float) -> None:
-        """Evidence ages with time, not only with rounds (see the module's docstring)."""
+        """Evidence ages with time, not only with rounds: toward the optimistic prior."""
         self.hits *= factor
         self.rounds *= factor
         self.sums *= factor
@@ -256,8 +228,10 @@ class SpecPolicy:
 
 
 class DraftOverhead:
-    """What a drafting step costs beyond its table price, relative to plain steps (the module's
-    docstring); applied by re-pricing the table's drafter passes."""
+    """What a drafting step costs beyond its table price: at each drafted decode step its time
+    over its price, minus the same excess of the plain decode steps just before it (load common
+    to both cancels), averaged; added to every drafter pass's price, never below the table.
+    Without plain steps to compare with (a request alone that always drafts) the table stands."""
 
     def __init__(self, table: CostTable, plain_weight: float = 0.05, draft_weight: float = 0.1,
                  min_plain_steps: int = 8, resolution_ms: float = 0.05):
@@ -302,8 +276,10 @@ class DraftOverhead:
 
 @dataclass
 class _Steady:
-    """A plan at either end (nothing drafted, or verify-all) kept for a stretch of steps
-    (SpecPolicy's docstring)."""
+    """A plan at either end kept unpriced for a stretch of 1, 2, 4 ... `max_kept` steps, doubling
+    while priced plans agree: drafting nothing (ended by fewer candidates or a seeded request)
+    or verifying everything of a request alone (ended by a second candidate or a joining
+    prefill). Evidence fades over kept steps as over priced ones."""
     kind: str = ""          # "none", "all" or "" (nothing kept)
     until: int = 0          # last step of the stretch
     length: int = 0         # its length; doubles while priced plans give the same answer
