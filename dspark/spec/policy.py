@@ -37,6 +37,7 @@ class Candidate:
     request_id: str
     verify_cap: int          # drafts it may verify this step (<= γ: max_tokens, context, budget)
     pinned: bool = False     # seeded sampling: always drafts with every draft verified
+    context_len: int = 0     # tokens in its KV cache (rows the drafter has not seen since it last drafted are held)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class StepContext:
 @dataclass
 class _RequestState:
     last_drafted: int                               # the policy's step count when it last drafted
+    drafted_at: int = 0                             # its context length then (its held rows start there)
     history: deque = field(default_factory=deque)   # numpy [γ] calibrated survivals of recent rounds
     priced: np.ndarray | None = None                # [γ] own survival the last drafted round was priced at
 
@@ -166,7 +168,7 @@ class SpecPolicy:
         if kept is not None:
             self.kept_plans += 1
             if kept.budget:
-                self._drafted([self._state(c.request_id) for c in candidates], [True] * len(candidates))
+                self._drafted(candidates, [self._state(c.request_id) for c in candidates], [True] * len(candidates))
             return kept
         self._check_size(len(candidates), step)
         states = [self._state(c.request_id) for c in candidates]
@@ -175,15 +177,15 @@ class SpecPolicy:
                          joining_tokens=step.joining_tokens)
         plan = _pin_seeded(plan, [c.pinned for c in candidates])
         plan.predicted_accepted = expected_accepted(survival, plan)
-        self._drafted(states, plan.drafted)
+        self._drafted(candidates, states, plan.drafted)
         self._steady.after(self.steps, candidates, plan, self.max_kept)
         return plan
 
-    def _drafted(self, states: list[_RequestState], drafted: list[bool]) -> None:
+    def _drafted(self, candidates: list[Candidate], states: list[_RequestState], drafted: list[bool]) -> None:
         """A drafted request's own price is what its round will be judged against."""
-        for state, d in zip(states, drafted):
+        for c, state, d in zip(candidates, states, drafted):
             if d:
-                state.last_drafted = self.steps
+                state.last_drafted, state.drafted_at = self.steps, c.context_len
             state.priced = state.history[0] if d and state.history else None
 
     def keep_plans(self, steps: int) -> None:
@@ -211,6 +213,7 @@ class SpecPolicy:
         survival = np.minimum.accumulate(mean + weight[:, None] * (predicted - mean), axis=1)
         caps = np.array([c.verify_cap for c in candidates])
         survival[np.arange(self.gamma)[None, :] >= caps[:, None]] = 0.0
+        _one_exploration(candidates, states, weight, survival)
         return own, survival
 
     def _check_size(self, num_requests: int, step: StepContext) -> None:
@@ -304,6 +307,21 @@ class _Steady:
         self.length = min(longest, 2 * self.length if same else 1) if kind else 0
         self.kind, self.until, self.candidates = kind, step + self.length, len(candidates)
         self.expected = plan.predicted_accepted / max(1, len(candidates))
+
+
+def _one_exploration(candidates: list[Candidate], states: list[_RequestState], weight: np.ndarray,
+                     survival: np.ndarray) -> None:
+    """At most one request without fresh evidence of its own (never drafted, or not within a
+    half-life) may draft in a step: the one priced highest, then the one with the fewest held
+    context rows (its first draft appends them all). Trying every such request at once under
+    load cost a step several times a plain one (the held rows of all of them appended) to
+    learn what one round teaches the population: after one bad round the next plan knows."""
+    stale = [i for i, c in enumerate(candidates) if weight[i] < 0.5 and not c.pinned]
+    if len(stale) < 2:
+        return
+    price = survival.sum(1)
+    tried = min(stale, key=lambda i: (-price[i], candidates[i].context_len - states[i].drafted_at))
+    survival[[i for i in stale if i != tried]] = 0.0
 
 
 def expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:

@@ -114,6 +114,21 @@ def test_a_seeded_sampling_request_drafts_with_every_draft_verified_whatever_the
     assert plan.drafted == [False, True] and plan.budget == plan.full == 4
 
 
+def test_requests_without_fresh_evidence_of_their_own_are_tried_one_at_a_time():
+    """New requests where drafting pays: one step tries the one with the fewest held context
+    rows, the next adds another beside it (the first now has rounds of its own); a seeded one
+    drafts besides them whatever its evidence."""
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 40, draft_ms=[0.0] + [2.0 * r for r in range(1, 9)])
+    policy = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
+    batch = [Candidate(rid, 2, context_len=n) for rid, n in zip("abcd", (300, 100, 200, 50))]
+    step = StepContext(other_tokens=4, num_sampling=4)
+    assert policy.plan(batch, step).drafted == [False, False, False, True]
+    policy.record("d", [logit(0.99)] * 2, verified=2, accepted=2)
+    assert policy.plan(batch, step).drafted == [False, True, False, True]
+    seeded = batch + [Candidate("s", 2, pinned=True, context_len=500)]
+    assert policy.plan(seeded, StepContext(other_tokens=5, num_sampling=5)).drafted[-1]
+
+
 def test_drafts_are_priced_on_top_of_the_prefill_that_joins():
     """The same requests and confidences draft in a decode step whose bucket has room, and
     decode plainly when a prefill joins and every draft would add target time."""
