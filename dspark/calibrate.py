@@ -21,13 +21,13 @@ def run_calibration(llm: LLM, prompts: list, params: SamplingParams, dataset: st
     engine = llm.engine
     if engine.drafter is None or not engine.drafter.config.enable_confidence_head:
         raise ValueError("calibration needs a drafter with a confidence head")
-    engine.confidence_records, policy = [], engine.scheduler.policy
-    engine.scheduler.policy = None                                  # verify-all
+    engine.confidence_records = []
     try:
-        llm.generate(prompts, params, use_tqdm=use_tqdm)
+        with engine.verifying_all():
+            llm.generate(prompts, params, use_tqdm=use_tqdm)
         records = engine.confidence_records
     finally:
-        engine.confidence_records, engine.scheduler.policy = None, policy
+        engine.confidence_records = None
     if not records:
         raise ValueError("no full verify rounds were recorded: use longer outputs or more prompts")
     logits = torch.tensor([z for z, _ in records])                 # [N, γ]

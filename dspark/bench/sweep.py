@@ -5,7 +5,9 @@ and cached), in one run (interleaved, medians), plus a PNG.
 Concurrency c means at most c requests in flight in the offline engine, each with the same
 prompt length and a fixed output length (greedy, ignore_eos): a level runs max(c,
 --sweep-requests) requests and admits the next one as soon as one finishes, as a client holding
-c connections does (vLLM's `--max-concurrency`). So concurrency 1 decodes several prompts one
+c connections does (vLLM's `--max-concurrency`). Verify-all and the default run on one engine
+(switched with `Engine.verifying_all`): two engines built alike differ by several percent on a
+CPU, which would otherwise land on their ratio. So concurrency 1 decodes several prompts one
 after another, chat and code alike, rather than a single prompt's luck with the drafter.
 Prompts are held-out (or built-in) chat and code prompts cut or filled to the prompt length from
 the front, so each still ends where its answer starts and acceptance stays realistic.
@@ -13,10 +15,13 @@ the front, so each still ends where its answer starts and acceptance stays reali
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import statistics
 
 from dspark.bench.closed_loop import closed_loop
+from dspark.outputs import SpecStats
 
 SYSTEMS = ("plain", "verify-all", "default")
 
@@ -64,13 +69,25 @@ def _engines(args, max_seqs: int) -> dict:
     from dspark import LLM
     common = dict(dtype=args.dtype, device=args.device, num_threads=args.threads, max_num_seqs=max_seqs,
                   graph=args.graph)
-    engines = {"plain": LLM(args.model, drafter=None, **common),
-               "verify-all": LLM(args.model, drafter=args.drafter, spec_schedule="verify-all", **common)}
-    if engines["verify-all"].engine.drafter is None:
+    plain = LLM(args.model, drafter=None, **common)
+    spec = LLM(args.model, drafter=args.drafter, cost_table=args.cost_table, min_gain=args.min_gain,
+               max_kept_plans=args.max_kept_plans, **common)
+    if spec.engine.policy is None:
         raise SystemExit("bench --mode sweep compares against a drafter: pass --drafter for this model")
-    engines["default"] = LLM(args.model, drafter=args.drafter, cost_table=args.cost_table,
-                             min_gain=args.min_gain, max_kept_plans=args.max_kept_plans, **common)
-    return engines
+    return {"plain": plain, "spec": spec}
+
+
+def _run_arm(engines: dict, name: str, prompts, params, c: int, stats: dict) -> float:
+    """One closed loop of one system -> tokens/s; the drafter engine's counters of it go to
+    `stats[name]`."""
+    engine = engines["plain" if name == "plain" else "spec"].engine
+    if name == "plain":
+        return closed_loop(engine, prompts, params, c)["tokens_per_s"]
+    before = copy.deepcopy(engine.spec_stats)
+    with engine.verifying_all() if name == "verify-all" else contextlib.nullcontext():
+        tokens_per_s = closed_loop(engine, prompts, params, c)["tokens_per_s"]
+    stats[name] = SpecStats.total([stats[name], engine.spec_stats.since(before)])
+    return tokens_per_s
 
 
 def plot_sweep(levels: list[int], medians: dict[str, list[float]], path: str) -> str:
@@ -109,22 +126,21 @@ def run_sweep_bench(args) -> dict:
         runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
         for llm in engines.values():
             llm.generate(prompts[:c], warm)
-        engines["default"].engine.reset_spec_stats()
-        engines["verify-all"].engine.reset_spec_stats()
-        kept_before = engines["default"].engine.policy.kept_plans
+        spec_policy = engines["spec"].engine.policy
+        arm_stats = {name: SpecStats() for name in SYSTEMS[1:]}
+        kept_before = spec_policy.kept_plans
         for _ in range(args.repetitions):
             for name in SYSTEMS:                   # interleaved: drift hits every system alike
-                runs[name].append(closed_loop(engines[name].engine, prompts, params, c)["tokens_per_s"])
+                runs[name].append(_run_arm(engines, name, prompts, params, c, arm_stats))
         for name in SYSTEMS:
             medians[name].append(statistics.median(runs[name]))
-        table = engines["default"].engine.policy.table
-        bounds.append(medians["plain"][-1] * best_plan_gain(table, engines["verify-all"].engine.spec_stats, c))
-        stats = engines["default"].engine.spec_stats
+        bounds.append(medians["plain"][-1] * best_plan_gain(spec_policy.table, arm_stats["verify-all"], c))
+        stats = arm_stats["default"]
         drafted_share.append(stats.drafted_share)
         policy.append({"predicted_accepted": round(stats.predicted_accepted_tokens, 1),
                        "accepted": stats.accepted_tokens, "verified": stats.verified_tokens,
                        "verified_per_round": round(stats.verified_tokens / max(1, stats.draft_rounds), 2),
-                       "kept_plans": engines["default"].engine.policy.kept_plans - kept_before})
+                       "kept_plans": spec_policy.kept_plans - kept_before})
     png = plot_sweep(levels, medians, args.png)
     print(f"{args.output_tokens} tokens from each of max(c, {args.sweep_requests}) requests of "
           f"{args.input_tokens} prompt tokens, at most c in flight; medians of {args.repetitions}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -144,6 +145,19 @@ class Engine:
             self.worker.sts_temperatures = torch.tensor(self.sts.temperatures, device=self.device)
             self.worker.sts_offsets = torch.tensor(self.sts.offset_list(), device=self.device)
         return policy
+
+    @contextlib.contextmanager
+    def verifying_all(self):
+        """Every draft of every request verified inside, the policy left out of planning and
+        learning, and back after: calibration needs whole blocks verified, and the sweep
+        measures verify-all on the engine it measures the policy on (two engines built alike
+        differ by several percent on a CPU)."""
+        policy = self.policy
+        self.policy = self.scheduler.policy = None
+        try:
+            yield
+        finally:
+            self.policy = self.scheduler.policy = policy
 
     def reset_spec_stats(self) -> None:
         self.spec_stats = SpecStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))

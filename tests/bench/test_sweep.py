@@ -32,12 +32,31 @@ def test_sweep_reports_every_system_at_every_level(tmp_path, capsys):
     assert all(len(v) == 2 and min(v) > 0 for v in report["tokens_per_s"].values())
     assert (tmp_path / "sweep.png").stat().st_size > 5000
     assert all(b > 0 for b in report["best_plan_tokens_per_s"])
-    assert set(report["runner"]) == set(SYSTEMS)                       # the runners' counters
+    assert set(report["runner"]) == {"plain", "spec"}     # verify-all and the default share an engine
     assert all(counters["target_graph_steps"] > 0 for counters in report["runner"].values())
     for level in report["default_policy"]:
         assert level["accepted"] <= level["verified"] and level["predicted_accepted"] >= 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == report
+
+
+def test_verifying_all_verifies_every_draft_and_gives_the_policy_back(tmp_path):
+    """The sweep's verify-all arm on the default engine: every request drafts every step, the
+    policy neither plans nor learns; it plans again afterwards."""
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=3)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
+    llm = LLM(str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", graph="eager")
+    policy, engine = llm.engine.policy, llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with engine.verifying_all():
+        assert engine.policy is None and engine.scheduler.policy is None
+        llm.generate([[3, 4, 5], [7, 8, 9]], params, use_tqdm=False)
+    stats = engine.spec_stats
+    assert stats.draft_rounds > 0 and stats.undrafted_steps == 0 and stats.predicted_accepted_tokens == 0
+    assert policy.steps == 0 and not policy.requests
+    assert engine.policy is policy and engine.scheduler.policy is policy
+    llm.generate([[3, 4, 5]], params, use_tqdm=False)
+    assert policy.steps > 0
 
 
 def test_a_level_keeps_at_most_c_requests_in_flight_and_runs_them_all(tmp_path):
