@@ -162,7 +162,7 @@ class StepPlan:
 
 def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_sampling: int, other_tokens: int,
               min_gain: float = 0.05, forced: list[bool] | None = None,
-              prefer_verify_all: bool = True, joining_tokens: int = 0) -> StepPlan:
+              prefer_verify_all: bool = True, joining_tokens: int = 0, step_ms: float = 0.0) -> StepPlan:
     """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan.
 
     Candidate draft sets are the r requests with the most expected accepted drafts (Σ_k S_k),
@@ -172,7 +172,9 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     step. `other_tokens` are the step's tokens besides drafts (anchor and plain decode rows).
     `joining_tokens` of prefill join whatever is drafted: drafts are priced at what they add on
     top of them but judged against the plain decode step without them, since the prefill is
-    paid for by its own requests (docs/speculation.md, "The plan").
+    paid for by its own requests (docs/speculation.md, "The plan"). `step_ms` is what every
+    step costs beyond the table (host work the warm, isolated profile does not see): common to
+    all plans, it still favours those that commit more tokens a step.
     """
     r_all, gamma = survival.shape
     full = r_all * gamma
@@ -182,7 +184,7 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
         survival = survival.detach().cpu().double().numpy()
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
     must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
-    verify = _verify_on_top(table, other_tokens, joining_tokens, full, max(1, num_sampling))  # [B]
+    verify = _verify_on_top(table, other_tokens, joining_tokens, full, max(1, num_sampling)) + step_ms  # [B]
     plain_rate = num_sampling / verify[0]
     full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + verify[full])
     free = not must.any()                                  # no forced draft: the bound applies

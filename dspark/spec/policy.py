@@ -174,7 +174,7 @@ class SpecPolicy:
         states = [self._state(c.request_id) for c in candidates]
         own, survival = self._prices(candidates, states)
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
-                         joining_tokens=step.joining_tokens)
+                         joining_tokens=step.joining_tokens, step_ms=self.overhead.step_ms)
         plan = _pin_seeded(plan, [c.pinned for c in candidates])
         plan.predicted_accepted = expected_accepted(survival, plan)
         self._drafted(candidates, states, plan.drafted)
@@ -231,10 +231,11 @@ class SpecPolicy:
 
 
 class DraftOverhead:
-    """What a drafting step costs beyond its table price: at each drafted decode step its time
-    over its price, minus the same excess of the plain decode steps just before it (load common
-    to both cancels), averaged; added to every drafter pass's price, never below the table.
-    Without plain steps to compare with (a request alone that always drafts) the table stands."""
+    """What a step costs beyond its table price. Every decode step: the excess of recent plain
+    steps (`step_ms`, host work the profile does not see), added to every plan's steps. A
+    drafting step besides: its time over its price minus that same excess (load common to both
+    cancels), averaged; added to every drafter pass's price, never below the table. Without
+    plain steps to compare with (a request alone that always drafts) the table stands."""
 
     def __init__(self, table: CostTable, plain_weight: float = 0.05, draft_weight: float = 0.1,
                  min_plain_steps: int = 8, resolution_ms: float = 0.05):
@@ -269,6 +270,13 @@ class DraftOverhead:
         excess = min(max(excess, -draft), 3.0 * draft)         # one stalled step moves it little
         self.extra_ms += self.draft_weight * (excess - self.extra_ms)
         self._apply()
+
+    @property
+    def step_ms(self) -> float:
+        """What every decode step costs beyond its table price (recent plain steps' excess)."""
+        if not self.enabled or self.plain_steps < self.min_plain_steps:
+            return 0.0
+        return max(0.0, self.plain_excess)
 
     def _apply(self) -> None:
         extra = max(0.0, self.extra_ms) if self.enabled else 0.0
