@@ -115,14 +115,18 @@ class Scheduler:
         plain = sum(1 if s.spec else s.num_new_tokens for s in scheduled)
         step = StepContext(other_tokens=plain, num_sampling=sum(1 for s in scheduled if s.sample),
                            joining_tokens=self._joining_tokens(self.config.max_num_batched_tokens - plain))
-        plan = self.policy.plan([Candidate(s.seq.request_id, s.verify_len, _pinned(s.seq), s.seq.num_computed_tokens)
-                                 for s in spec], step)
+        plan = self.policy.plan([Candidate(s.seq.request_id, s.verify_len, _pinned(s.seq), s.seq.num_computed_tokens,
+                                           self._remaining(s.seq)) for s in spec], step)
         for s, drafted in zip(spec, plan.drafted):
             if not drafted:
                 s.spec, s.verify_len, s.num_new_tokens = False, 0, 1
                 self.block_manager.truncate(s.seq.block_table, s.seq.num_computed_tokens + 1)
                 s.seq.spec.undrafted_steps += 1
         return plan
+
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens the request may still generate."""
+        return min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
 
     def _joining_tokens(self, budget: int) -> int:
         """The prompt tokens the waiting requests would bring with `budget` tokens left (sequence

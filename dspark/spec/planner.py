@@ -39,6 +39,7 @@ class CostTable:
     context_len: int = 0           # KV context every profiled request had
     method: str = ""               # e.g. "median of 10 after 3 warm-up, made monotone"
     verify_requests: list[int] | None = None    # [N] ascending request counts of the rows
+    held_row_ms: float = 0.0       # appending one held context row to the drafter's cache
 
     def __post_init__(self) -> None:
         if self.verify_ms and not isinstance(self.verify_ms[0], (list, tuple)):
@@ -154,6 +155,7 @@ class StepPlan:
     budget: int             # drafts verified in total, over the drafted requests
     full: int               # R·γ: every draft of every request
     predicted_accepted: float = 0.0   # drafts the policy expects the target to accept
+    held_ms: float = 0.0              # appending the held context rows of the drafted requests
 
     @property
     def verify_all(self) -> bool:
@@ -162,7 +164,8 @@ class StepPlan:
 
 def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_sampling: int, other_tokens: int,
               min_gain: float = 0.05, forced: list[bool] | None = None,
-              prefer_verify_all: bool = True, joining_tokens: int = 0, step_ms: float = 0.0) -> StepPlan:
+              prefer_verify_all: bool = True, joining_tokens: int = 0, step_ms: float = 0.0,
+              draft_extra: np.ndarray | None = None) -> StepPlan:
     """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan.
 
     Candidate draft sets are the r requests with the most expected accepted drafts (Σ_k S_k),
@@ -174,7 +177,8 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     top of them but judged against the plain decode step without them, since the prefill is
     paid for by its own requests (docs/speculation.md, "The plan"). `step_ms` is what every
     step costs beyond the table (host work the warm, isolated profile does not see): common to
-    all plans, it still favours those that commit more tokens a step.
+    all plans, it still favours those that commit more tokens a step. `draft_extra` [R] is
+    what drafting each request costs besides the drafter pass (its held context rows).
     """
     r_all, gamma = survival.shape
     full = r_all * gamma
@@ -184,18 +188,19 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
         survival = survival.detach().cpu().double().numpy()
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
     must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
+    extra = np.zeros(r_all) if draft_extra is None else np.asarray(draft_extra, dtype=np.float64)
     verify = _verify_on_top(table, other_tokens, joining_tokens, full, max(1, num_sampling)) + step_ms  # [B]
     plain_rate = num_sampling / verify[0]
-    full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + verify[full])
+    full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + extra.sum() + verify[full])
     free = not must.any()                                  # no forced draft: the bound applies
-    bound = _drafting_bound(s, table, num_sampling, verify) if free else 0.0
+    bound = _drafting_bound(s, extra, table, num_sampling, verify) if free else 0.0
     if prefer_verify_all and free and max(bound, plain_rate) < (1.0 + min_gain) * full_rate:
         return StepPlan(drafted=[True] * r_all, budget=full, full=full)    # nothing beats it enough
     if free and bound < (1.0 + min_gain) * plain_rate:
         rank, size, budget, best_rate = np.zeros(r_all, dtype=np.int64), 0, 0, plain_rate
     else:
-        rank, size, budget, best_rate = _best_set(s, must, table, num_sampling, verify, plain_rate,
-                                                  min_gain)
+        rank, size, budget, best_rate = _best_set(s, extra, must, table, num_sampling, verify,
+                                                  plain_rate, min_gain)
     if prefer_verify_all and not (best_rate > full_rate and best_rate >= (1.0 + min_gain) * full_rate):
         size, budget = r_all, full
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
@@ -213,23 +218,26 @@ def _verify_on_top(table: CostTable, other_tokens: int, joining_tokens: int, ful
     return joined - joined[0] + table.verify_costs(other_tokens, other_tokens + 1, requests)[0]
 
 
-def _drafting_bound(s: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray) -> float:
+def _drafting_bound(s: np.ndarray, extra: np.ndarray, table: CostTable, num_sampling: int,
+                    verify: np.ndarray) -> float:
     """An upper bound on the tokens/ms of every draft set and budget at once: b verified drafts
     yield at most the b best survivals of any request and cost at least a drafter pass over the
-    fewest requests that hold b slots. Under load most steps stay below drafting's threshold by
+    fewest requests that hold b slots, and the cheapest of them. Under load most steps stay below drafting's threshold by
     it (O(R·γ) instead of the O(R²·γ) of pricing every draft set, docs/measurements.md), and
     at low load most stay below verify-all's."""
     if num_sampling <= 0:
         return np.inf
     gamma = s.shape[1]
     slots = np.arange(s.size + 1)
-    cost = table.draft_costs(np.maximum(1, -(-slots // gamma))) + verify                  # [B]
+    holders = np.maximum(1, -(-slots // gamma))                                           # [B]
+    cheapest = np.concatenate([[0.0], np.cumsum(np.sort(extra))])                          # [R + 1]
+    cost = table.draft_costs(holders) + cheapest[holders] + verify                         # [B]
     yield_ = num_sampling + np.concatenate([[0.0], np.cumsum(np.sort(s, axis=None)[::-1])])     # [B]
     return float((yield_ / cost).max())
 
 
-def _best_set(s: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,
-              plain_rate: float, min_gain: float) -> tuple[np.ndarray, int, int, float]:
+def _best_set(s: np.ndarray, extra: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: int,
+              verify: np.ndarray, plain_rate: float, min_gain: float) -> tuple[np.ndarray, int, int, float]:
     """Every candidate draft set with its best budget: (rank of each request, set size, budget,
     rate) of the best, drafting nothing unless drafting beats a plain step by `min_gain`. A set
     verifies at least one draft per member it chose (not forced): a request drafted for nothing
@@ -242,7 +250,8 @@ def _best_set(s: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: i
     rank[order] = np.arange(r_all)
     sizes = np.arange(int(must.sum()), r_all + 1)                              # [C] draft-set sizes
     gain = num_sampling + _set_prefix_sums(s, rank, sizes)                     # [C, B]
-    draft = table.draft_costs(sizes)                                                      # [C]
+    members = np.concatenate([[0.0], np.cumsum(extra[order])])                 # [R + 1] by rank
+    draft = table.draft_costs(sizes) + members[sizes]                          # [C]
     cost = draft[:, None] + verify[None, :]                                     # [C, B]
     rate = gain / cost                                                          # [C, B]
     if sizes[0] == 0:

@@ -38,6 +38,7 @@ class Candidate:
     verify_cap: int          # drafts it may verify this step (<= γ: max_tokens, context, budget)
     pinned: bool = False     # seeded sampling: always drafts with every draft verified
     context_len: int = 0     # tokens in its KV cache (rows the drafter has not seen since it last drafted are held)
+    remaining: int = 1       # tokens it may still generate (max_tokens, the model's length)
 
 
 @dataclass
@@ -147,7 +148,7 @@ class SpecPolicy:
 
     def observe_step(self, plan: StepPlan, requests: int, tokens: int, seconds: float) -> None:
         """A decode step ran (no prefill in it): its measured time against its table price."""
-        self.overhead.observe(sum(plan.drafted), requests, tokens, seconds * 1e3)
+        self.overhead.observe(sum(plan.drafted), requests, tokens, seconds * 1e3 - plan.held_ms)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -173,10 +174,13 @@ class SpecPolicy:
         self._check_size(len(candidates), step)
         states = [self._state(c.request_id) for c in candidates]
         own, survival = self._prices(candidates, states)
+        held_ms = self._held_ms(candidates, states)
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
-                         joining_tokens=step.joining_tokens, step_ms=self.overhead.step_ms)
+                         joining_tokens=step.joining_tokens, step_ms=self.overhead.step_ms,
+                         draft_extra=held_ms * (1.0 + survival.sum(1)) / [max(1, c.remaining) for c in candidates])
         plan = _pin_seeded(plan, [c.pinned for c in candidates])
         plan.predicted_accepted = expected_accepted(survival, plan)
+        plan.held_ms = float(held_ms[plan.drafted].sum())
         self._drafted(candidates, states, plan.drafted)
         self._steady.after(self.steps, candidates, plan, self.max_kept)
         return plan
@@ -215,6 +219,15 @@ class SpecPolicy:
         survival[np.arange(self.gamma)[None, :] >= caps[:, None]] = 0.0
         _one_exploration(candidates, states, weight, survival)
         return own, survival
+
+    def _held_ms(self, candidates: list[Candidate], states: list[_RequestState]) -> np.ndarray:
+        """[R] appending each request's held context rows (those of its steps since it last
+        drafted; a request that drafted last step has none). A plan spreads it over the rounds
+        the request has left: its first draft after the prompt pays for context every later
+        round reads, while one about to finish pays it nearly in full for a round or two."""
+        held = [0 if s.last_drafted == self.steps - 1 and s.drafted_at else c.context_len - s.drafted_at
+                for c, s in zip(candidates, states)]
+        return self.table.held_row_ms * np.maximum(np.asarray(held, dtype=np.float64), 0.0)
 
     def _check_size(self, num_requests: int, step: StepContext) -> None:
         """A decode step the table does not reach is priced by extrapolation: say so once. A

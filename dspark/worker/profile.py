@@ -7,7 +7,9 @@ spreads drafts (at most γ+1 rows each, the rest a prefill chunk joining them). 
 count matters as much as the tokens: each request reads its own K/V context. Draft cost for
 every request count 1..R_max is what a step that drafts pays and a plain step does not: the
 worker's drafter pass, the verify lengths allocated and read back, the greedy acceptance of
-every block's rows and the drafter's context append of those rows (γ+1 each). All at a realistic context length, median of N rounds that time every shape once
+every block's rows and the drafter's context append of those rows (γ+1 each). A held context
+row (one a step that drafted nothing left for later) costs the slope of two appends, of the
+context length and an eighth of it. All at a realistic context length, median of N rounds that time every shape once
 each, after warm-up, then made monotone (a larger step never costs less: the noise of a shared
 machine must not make the planner chase phantom dips). The engine must be idle: profiling
 writes scratch K/V into blocks no request owns yet.
@@ -32,7 +34,7 @@ from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.worker import Worker
 
 
-PROFILE_VERSION = 3       # what a step's costs include; a table measured otherwise is measured again
+PROFILE_VERSION = 4       # what a step's costs include; a table measured otherwise is measured again
 
 
 @dataclass
@@ -136,6 +138,20 @@ def _draft_fn(worker: Worker, num_requests: int, context_len: int, logits: torch
     return run
 
 
+def _append_fn(worker: Worker, rows: int):
+    """Appending `rows` held context rows of one request to the drafter's cache, as the first
+    drafting step after steps that drafted nothing does."""
+    dev = worker.device
+    table = _tables(worker, 1, 0, rows)[0]
+    attn = build_inputs([RequestChunk([1] * rows, 0, table, 0)], worker.block_size, dev,
+                        worker.config.sliding_window).attn
+    aux = torch.randn(rows, len(worker.runner.aux_layer_ids) * worker.config.hidden_size,
+                      generator=torch.Generator().manual_seed(0)).to(dev, worker.kv_caches[0][0].dtype)
+    positions = torch.arange(rows, device=dev)
+    return lambda: worker.runner.append_context(worker.draft_kv, aux, positions, attn.write_rows,
+                                                attn.write_slots)
+
+
 def _token_sizes(worker: Worker, cfg: ProfileConfig) -> list[int]:
     """The token counts to time: every graph bucket (a step costs what its bucket costs, so the
     staircase is exact), then every `token_stride`-th count past the largest bucket."""
@@ -164,7 +180,8 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
     gamma = worker.drafter.config.block_size
     sizes, counts = _token_sizes(worker, cfg), request_counts(min(cfg.max_requests, cfg.max_tokens))
     shapes = [(r, t) for r in counts for t in sizes if r <= t <= _decode_top(r, gamma, sizes)]
-    bar = tqdm(total=2 * cfg.repeats, desc="measuring step costs (target, drafter)", disable=not use_tqdm)
+    bar = tqdm(total=3 * cfg.repeats, desc="measuring step costs (target, drafter, context)",
+               disable=not use_tqdm)
     sync = torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None)
     timed = _timed_in_rounds([_verify_fn(worker, r, t, gamma, cfg.context_len) for r, t in shapes],
                              cfg, bar, sync)
@@ -173,9 +190,12 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
                          generator=torch.Generator().manual_seed(0)).to(worker.device)
     draft = _timed_in_rounds([_draft_fn(worker, r, cfg.context_len, logits)
                               for r in range(1, cfg.max_requests + 1)], cfg, bar, sync)
+    held = (max(1, cfg.context_len // 8), cfg.context_len)       # rows: the slope is one row's cost
+    few, many = _timed_in_rounds([_append_fn(worker, rows) for rows in held], cfg, bar, sync)
     bar.close()
     return CostTable(fingerprint=fingerprint, verify_ms=verify, verify_requests=counts,
                      draft_ms=[0.0] + monotone(draft), context_len=cfg.context_len,
+                     held_row_ms=max(0.0, (many - few) / max(1, held[1] - held[0])),
                      method=f"median of {cfg.repeats} rounds after {cfg.warmup} warm-up, every "
                             f"{cfg.token_stride} tokens at each request count, made monotone; "
                             f"draft cost with the context append")

@@ -110,15 +110,15 @@ def test_changing_a_draft_never_changes_whether_it_or_earlier_slots_are_verified
         assert min(int(a[row]), k + 1) == min(int(b[row]), k + 1)
 
 
-def brute_force_plan(s: torch.Tensor, t: CostTable, n: int, other: int, forced: list[bool]):
+def brute_force_plan(s: torch.Tensor, t: CostTable, n: int, other: int, forced: list[bool], extra=None):
     """Every nested draft set (top-r requests by expected accepted drafts, forced ones first) and
-    every budget within it, priced one by one."""
+    every budget within it, priced one by one (`extra` [R]: each member's own drafting cost)."""
     r_all, gamma = s.shape
     order = sorted(range(r_all), key=lambda i: (not forced[i], -float(s[i].sum())))
     best = (-1.0, None)
     for size in range(sum(forced), r_all + 1):
         flat = sorted(s[order[:size]].flatten().tolist(), reverse=True)
-        draft = t.draft_ms[size] if size else 0.0
+        draft = (t.draft_ms[size] if size else 0.0) + (sum(extra[i] for i in order[:size]) if extra is not None else 0.0)
         for b in range(len(flat) + 1):
             rate = (n + sum(flat[:b])) / (draft + t.verify_ms[0][other + b])
             if rate > best[0] + 1e-12:
@@ -126,10 +126,10 @@ def brute_force_plan(s: torch.Tensor, t: CostTable, n: int, other: int, forced: 
     return best
 
 
-def rate_of(plan, s, t, n, other):
+def rate_of(plan, s, t, n, other, extra=None):
     chosen = [i for i, d in enumerate(plan.drafted) if d]
     flat = sorted(s[chosen].flatten().tolist(), reverse=True)
-    draft = t.draft_ms[len(chosen)] if chosen else 0.0
+    draft = (t.draft_ms[len(chosen)] if chosen else 0.0) + (sum(extra[i] for i in chosen) if extra is not None else 0.0)
     return (n + sum(flat[:plan.budget])) / (draft + t.verify_ms[0][other + plan.budget])
 
 
@@ -139,9 +139,10 @@ def test_plan_with_a_draft_set_is_the_brute_force_optimum(kind, seed):
     s, t = survivals(r, gamma, seed), table(kind)
     t.draft_ms = [0.0] + [3.0 + 2.0 * k for k in range(1, 9)]       # a pricier drafter
     forced = [seed % 3 == 0 and i == seed % r for i in range(r)]
-    best_rate, _ = brute_force_plan(s, t, r, r, forced)
-    plan = plan_step(s, t, num_sampling=r, other_tokens=r, min_gain=0.0, forced=forced)
-    assert rate_of(plan, s, t, r, r) == pytest.approx(best_rate, rel=1e-6)
+    extra = [1.5 * ((seed + i) % 3) for i in range(r)] if seed % 2 else None     # held rows' cost
+    best_rate, _ = brute_force_plan(s, t, r, r, forced, extra)
+    plan = plan_step(s, t, num_sampling=r, other_tokens=r, min_gain=0.0, forced=forced, draft_extra=extra)
+    assert rate_of(plan, s, t, r, r, extra) == pytest.approx(best_rate, rel=1e-6)
     assert all(d for d, f in zip(plan.drafted, forced) if f)
 
 
@@ -224,9 +225,10 @@ def test_the_bound_that_skips_pricing_draft_sets_never_hides_a_plan_that_pays(ki
             s = (survivals(r, gamma, seed) * strength).numpy().astype(np.float64)
             verify = t.verify_costs(r, r + r * gamma + 1)
             ones, plain = np.ones(r * gamma + 1), r / float(verify[0])
-            bound = _drafting_bound(s, t, r, verify)
+            extra = np.random.default_rng(seed).uniform(0.0, 4.0, r) * (seed % 2)   # held rows' cost
+            bound = _drafting_bound(s, extra, t, r, verify)
             skip = bound < (1 + min_gain) * plain
-            _, size, _, rate = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, plain, min_gain)
+            _, size, _, rate = _best_set(s, extra, np.zeros(r, dtype=bool), t, r, verify, plain, min_gain)
             assert size == 0 or not skip
             assert size == 0 or rate <= bound * (1 + 1e-12)
             skipped.append(skip)
@@ -250,13 +252,13 @@ def test_verify_all_decided_by_the_bound_is_what_pricing_every_set_decides(kind)
                 verify = t.verify_costs(r, r + full + 1)
                 ones, plain = np.ones(full + 1), r / float(verify[0])
                 full_rate = (r + s.sum()) / (t.draft_costs([r])[0] + verify[full])
-                _, size, budget, rate = _best_set(s, np.zeros(r, dtype=bool), t, r, verify, plain,
-                                                  min_gain)
+                _, size, budget, rate = _best_set(s, np.zeros(r), np.zeros(r, dtype=bool), t, r, verify,
+                                                  plain, min_gain)
                 keep_all = not (rate > full_rate and rate >= (1 + min_gain) * full_rate)
                 plan = plan_step(s, t, num_sampling=r, other_tokens=r, min_gain=min_gain)
                 assert plan.verify_all == keep_all
                 assert plan.budget == (full if keep_all else budget)
-                shortcut += max(_drafting_bound(s, t, r, verify), plain) < (1 + min_gain) * full_rate
+                shortcut += max(_drafting_bound(s, np.zeros(r), t, r, verify), plain) < (1 + min_gain) * full_rate
     assert shortcut > 0
 
 

@@ -129,6 +129,21 @@ def test_requests_without_fresh_evidence_of_their_own_are_tried_one_at_a_time():
     assert policy.plan(seeded, StepContext(other_tokens=5, num_sampling=5)).drafted[-1]
 
 
+def test_held_context_rows_are_paid_for_over_the_rounds_a_request_has_left():
+    """200 held rows at 0.1 ms each: a new request with hundreds of tokens to go drafts (its
+    later rounds share the append), one about to finish decodes plainly; a request that drafted
+    last step holds nothing, and the plan reports what the drafted requests' rows cost."""
+    table = CostTable(fingerprint={}, verify_ms=TABLE.verify_ms, draft_ms=TABLE.draft_ms, held_row_ms=0.1)
+    step = StepContext(other_tokens=1, num_sampling=1)
+    ending = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
+    assert not ending.plan([Candidate("a", 2, context_len=200, remaining=2)], step).drafted[0]
+    policy = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
+    plan = policy.plan([Candidate("a", 2, context_len=200, remaining=500)], step)
+    assert plan.drafted[0] and plan.held_ms == pytest.approx(20.0)
+    plan = policy.plan([Candidate("a", 2, context_len=203, remaining=2)], step)
+    assert plan.drafted[0] and plan.held_ms == 0.0
+
+
 def test_drafts_are_priced_on_top_of_the_prefill_that_joins():
     """The same requests and confidences draft in a decode step whose bucket has room, and
     decode plainly when a prefill joins and every draft would add target time."""
