@@ -115,8 +115,9 @@ class Scheduler:
         plain = sum(1 if s.spec else s.num_new_tokens for s in scheduled)
         step = StepContext(other_tokens=plain, num_sampling=sum(1 for s in scheduled if s.sample),
                            joining_tokens=self._joining_tokens(self.config.max_num_batched_tokens - plain))
-        plan = self.policy.plan([Candidate(s.seq.request_id, s.verify_len, _pinned(s.seq), s.seq.num_computed_tokens,
-                                           self._remaining(s.seq)) for s in spec], step)
+        candidates = [Candidate(s.seq.request_id, s.verify_len, _pinned(s.seq), s.seq.num_computed_tokens,
+                                self._remaining(s.seq)) for s in spec]
+        plan = self.policy.plan(candidates, step)
         for s, drafted in zip(spec, plan.drafted):
             if not drafted:
                 s.spec, s.verify_len, s.num_new_tokens = False, 0, 1

@@ -189,7 +189,8 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
     must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
     extra = np.zeros(r_all) if draft_extra is None else np.asarray(draft_extra, dtype=np.float64)
-    verify = _verify_on_top(table, other_tokens, joining_tokens, full, max(1, num_sampling)) + step_ms  # [B]
+    verify = _verify_on_top(table, other_tokens, joining_tokens, full, max(1, num_sampling))     # [B]
+    verify = verify + step_ms
     plain_rate = num_sampling / verify[0]
     full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + extra.sum() + verify[full])
     free = not must.any()                                  # no forced draft: the bound applies

@@ -37,7 +37,7 @@ class Candidate:
     request_id: str
     verify_cap: int          # drafts it may verify this step (<= γ: max_tokens, context, budget)
     pinned: bool = False     # seeded sampling: always drafts with every draft verified
-    context_len: int = 0     # tokens in its KV cache (rows the drafter has not seen since it last drafted are held)
+    context_len: int = 0     # tokens in its KV cache (those since it last drafted are held rows)
     remaining: int = 1       # tokens it may still generate (max_tokens, the model's length)
 
 
@@ -169,15 +169,17 @@ class SpecPolicy:
         if kept is not None:
             self.kept_plans += 1
             if kept.budget:
-                self._drafted(candidates, [self._state(c.request_id) for c in candidates], [True] * len(candidates))
+                states = [self._state(c.request_id) for c in candidates]
+                self._drafted(candidates, states, [True] * len(candidates))
             return kept
         self._check_size(len(candidates), step)
         states = [self._state(c.request_id) for c in candidates]
         own, survival = self._prices(candidates, states)
-        held_ms = self._held_ms(candidates, states)
+        held_ms = self._held_ms(candidates, states)                                     # [R]
+        rounds_left = np.array([max(1, c.remaining) for c in candidates]) / (1.0 + survival.sum(1))
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
                          joining_tokens=step.joining_tokens, step_ms=self.overhead.step_ms,
-                         draft_extra=held_ms * (1.0 + survival.sum(1)) / [max(1, c.remaining) for c in candidates])
+                         draft_extra=held_ms / np.maximum(rounds_left, 1.0))
         plan = _pin_seeded(plan, [c.pinned for c in candidates])
         plan.predicted_accepted = expected_accepted(survival, plan)
         plan.held_ms = float(held_ms[plan.drafted].sum())
