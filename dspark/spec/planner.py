@@ -223,9 +223,9 @@ def _drafting_bound(s: np.ndarray, extra: np.ndarray, table: CostTable, num_samp
                     verify: np.ndarray) -> float:
     """An upper bound on the tokens/ms of every draft set and budget at once: b verified drafts
     yield at most the b best survivals of any request and cost at least a drafter pass over the
-    fewest requests that hold b slots, and the cheapest of them. Under load most steps stay below drafting's threshold by
-    it (O(R·γ) instead of the O(R²·γ) of pricing every draft set, docs/measurements.md), and
-    at low load most stay below verify-all's."""
+    fewest requests that hold b slots, the cheapest of them. Under load most steps stay below
+    drafting's threshold by it (O(R·γ) instead of the O(R²·γ) of pricing every draft set,
+    docs/measurements.md), and at low load most stay below verify-all's."""
     if num_sampling <= 0:
         return np.inf
     gamma = s.shape[1]
