@@ -17,6 +17,7 @@ writes scratch K/V into blocks no request owns yet.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.worker import Worker
 
 
-PROFILE_VERSION = 4       # what a step's costs include; a table measured otherwise is measured again
+PROFILE_VERSION = 5       # what a step's costs include; a table measured otherwise is measured again
 
 
 @dataclass
@@ -164,12 +165,15 @@ def _token_sizes(worker: Worker, cfg: ProfileConfig) -> list[int]:
 
 
 def monotone(costs: list[float]) -> list[float]:
-    """Running maximum: cost never decreases with size."""
-    out, top = [], 0.0
-    for c in costs:
-        top = max(top, c)
-        out.append(top)
-    return out
+    """Cost never decreases with size: each entry the least of its own and every larger size's.
+    Load on a shared machine only adds time, so a spike at one size is cut down to the sizes
+    above it; a running maximum carried one slow small size into every larger one
+    (docs/measurements.md)."""
+    out, low = [], math.inf
+    for c in reversed(costs):
+        low = min(low, c)
+        out.append(low)
+    return out[::-1]
 
 
 @torch.inference_mode()
@@ -217,8 +221,8 @@ def _verify_rows(measured: dict[tuple[int, int], float], counts: list[int], size
     costs its bucket), a step smaller than its request count at that count's first size, one
     past the sizes timed for its count at its top size plus what one request's step adds from
     there; made monotone in tokens and in requests."""
-    rows, below = [], [0.0] * max_tokens
-    for r in counts:
+    rows, above = [], [math.inf] * max_tokens
+    for r in reversed(counts):
         top = _decode_top(r, gamma, sizes)
 
         def cost(size: int) -> float:
@@ -226,6 +230,6 @@ def _verify_rows(measured: dict[tuple[int, int], float], counts: list[int], size
                 return measured[(r, size)]
             return measured[(r, top)] + measured[(1, size)] - measured[(1, top)]
         row = [cost(min(m for m in sizes if m >= max(t, r))) for t in range(1, max_tokens + 1)]
-        below = [max(a, b) for a, b in zip(monotone(row), below)]
-        rows.append([0.0] + below)
-    return rows
+        above = [min(a, b) for a, b in zip(monotone(row), above)]
+        rows.append([0.0] + above)
+    return rows[::-1]

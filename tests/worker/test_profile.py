@@ -9,8 +9,9 @@ from dspark.worker.profile import ProfileConfig, monotone
 from tiny import save_random_drafter, save_tiny
 
 
-def test_monotone_is_a_running_maximum():
-    assert monotone([3.0, 2.0, 4.0, 1.0, 5.0]) == [3.0, 3.0, 4.0, 4.0, 5.0]
+def test_monotone_cuts_a_spike_down_to_the_sizes_above_it():
+    assert monotone([3.0, 2.0, 4.0, 1.0, 5.0]) == [1.0, 1.0, 1.0, 1.0, 5.0]
+    assert monotone([80.0, 8.0, 9.0, 12.0]) == [8.0, 8.0, 9.0, 12.0]
 
 
 def test_profile_table_is_complete_monotone_and_fingerprinted(tmp_path):
