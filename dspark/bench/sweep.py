@@ -5,10 +5,11 @@ and cached), in one run (interleaved, medians), plus a PNG.
 Concurrency c means at most c requests in flight in the offline engine, each with the same
 prompt length and a fixed output length (greedy, ignore_eos): a level runs max(c,
 --sweep-requests) requests and admits the next one as soon as one finishes, as a client holding
-c connections does (vLLM's `--max-concurrency`). Verify-all and the default run on one engine
-(switched with `Engine.verifying_all`): two engines built alike differ by several percent on a
-CPU, which would otherwise land on their ratio. So concurrency 1 decodes several prompts one
+c connections does (vLLM's `--max-concurrency`). So concurrency 1 decodes several prompts one
 after another, chat and code alike, rather than a single prompt's luck with the drafter.
+Verify-all and the default run on one engine (switched with `Engine.verifying_all`): two
+engines built alike differ by several percent on a CPU, which would otherwise land on their
+ratio.
 Prompts are held-out (or built-in) chat and code prompts cut or filled to the prompt length from
 the front, so each still ends where its answer starts and acceptance stays realistic.
 """
