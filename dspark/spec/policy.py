@@ -174,8 +174,10 @@ class SpecPolicy:
             return kept
         self._check_size(len(candidates), step)
         states = [self._state(c.request_id) for c in candidates]
-        own, survival = self._prices(candidates, states)
-        held_ms = self._held_ms(candidates, states)                                     # [R]
+        weight, survival = self._prices(candidates, states)
+        held = self._held_rows(candidates, states)                                      # [R]
+        _one_exploration(candidates, weight, held, survival)
+        held_ms = self.table.held_row_ms * held                                         # [R]
         rounds_left = np.array([max(1, c.remaining) for c in candidates]) / (1.0 + survival.sum(1))
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
                          joining_tokens=step.joining_tokens, step_ms=self.overhead.step_ms,
@@ -206,10 +208,10 @@ class SpecPolicy:
         return state
 
     def _prices(self, candidates: list[Candidate], states: list[_RequestState]
-                ) -> tuple[list[np.ndarray | None], np.ndarray]:
-        """Each request's own price (None without history) and [R, γ] the survival the plan
-        uses: the regression's prediction faded toward the population mean by the price's age;
-        0 past each request's cap."""
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """[R] the weight of each request's own evidence (0 without history) and [R, γ] the
+        survival the plan uses: the regression's prediction faded toward the population mean by
+        that weight; 0 past each request's cap."""
         mean = self.acceptance.mean
         own = [s.history[0] if s.history else None for s in states]
         rows = np.array([x if x is not None else mean for x in own])                      # [R, γ]
@@ -219,17 +221,16 @@ class SpecPolicy:
         survival = np.minimum.accumulate(mean + weight[:, None] * (predicted - mean), axis=1)
         caps = np.array([c.verify_cap for c in candidates])
         survival[np.arange(self.gamma)[None, :] >= caps[:, None]] = 0.0
-        _one_exploration(candidates, states, weight, survival)
-        return own, survival
+        return weight, survival
 
-    def _held_ms(self, candidates: list[Candidate], states: list[_RequestState]) -> np.ndarray:
-        """[R] appending each request's held context rows (those of its steps since it last
-        drafted; a request that drafted last step has none). A plan spreads it over the rounds
+    def _held_rows(self, candidates: list[Candidate], states: list[_RequestState]) -> np.ndarray:
+        """[R] each request's held context rows (those of its steps since it last drafted; a
+        request that drafted last step has none). A plan spreads their append over the rounds
         the request has left: its first draft after the prompt pays for context every later
         round reads, while one about to finish pays it nearly in full for a round or two."""
         held = [0 if s.last_drafted == self.steps - 1 and s.drafted_at else c.context_len - s.drafted_at
                 for c, s in zip(candidates, states)]
-        return self.table.held_row_ms * np.maximum(np.asarray(held, dtype=np.float64), 0.0)
+        return np.maximum(np.asarray(held, dtype=np.float64), 0.0)
 
     def _check_size(self, num_requests: int, step: StepContext) -> None:
         """A decode step the table does not reach is priced by extrapolation: say so once. A
@@ -332,7 +333,7 @@ class _Steady:
         self.expected = plan.predicted_accepted / max(1, len(candidates))
 
 
-def _one_exploration(candidates: list[Candidate], states: list[_RequestState], weight: np.ndarray,
+def _one_exploration(candidates: list[Candidate], weight: np.ndarray, held: np.ndarray,
                      survival: np.ndarray) -> None:
     """At most one request without fresh evidence of its own (never drafted, or not within a
     half-life) may draft in a step: the one priced highest, then the one with the fewest held
@@ -343,7 +344,7 @@ def _one_exploration(candidates: list[Candidate], states: list[_RequestState], w
     if len(stale) < 2:
         return
     price = survival.sum(1)
-    tried = min(stale, key=lambda i: (-price[i], candidates[i].context_len - states[i].drafted_at))
+    tried = min(stale, key=lambda i: (-price[i], held[i]))
     survival[[i for i in stale if i != tried]] = 0.0
 
 
