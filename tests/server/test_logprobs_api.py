@@ -126,7 +126,14 @@ def test_chat_logprobs_shape(setup):
         assert set(item["top_logprobs"][0]) == {"token", "logprob", "bytes"}
     status, chunks = post(served, "/v1/chat/completions", {**body, "stream": True})
     streamed = [i for c in chunks for ch in c["choices"] for i in (ch.get("logprobs") or {}).get("content", [])]
-    assert streamed == content
+    # The policy may draft differently in the second request, and a verify pass over more rows
+    # rounds differently in fp32: the tokens match exactly, the logprobs to rounding.
+    assert [i["token"] for i in streamed] == [i["token"] for i in content]
+    for got, want in zip(streamed, content):
+        assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-5)
+        assert [t["token"] for t in got["top_logprobs"]] == [t["token"] for t in want["top_logprobs"]]
+        for g, w in zip(got["top_logprobs"], want["top_logprobs"]):
+            assert g["logprob"] == pytest.approx(w["logprob"], abs=1e-5)
     _, plain = post(served, "/v1/chat/completions", dict(messages=CHAT, max_tokens=2))
     assert plain["choices"][0]["logprobs"] is None
 
