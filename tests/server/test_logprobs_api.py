@@ -94,7 +94,12 @@ def test_streamed_logprobs_equal_whole(setup):
             for key in joined:
                 joined[key] += choice.get("logprobs", {}).get(key, [])
     assert text == whole["choices"][0]["text"]
-    assert joined == whole["choices"][0]["logprobs"]
+    want = whole["choices"][0]["logprobs"]
+    assert joined["tokens"] == want["tokens"] and joined["text_offset"] == want["text_offset"]
+    assert joined["token_logprobs"][0] is None and want["token_logprobs"][0] is None   # echo: first prompt token
+    assert joined["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-5)  # rounding: see below
+    for got, top in zip(joined["top_logprobs"][1:], want["top_logprobs"][1:]):
+        assert got.keys() == top.keys() and list(got.values()) == pytest.approx(list(top.values()), abs=1e-5)
 
 
 def test_streamed_prompt_only(setup):
