@@ -24,7 +24,7 @@ from dspark.models.loader import load_target
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import ParamError, SamplingParams
 from dspark.spec.planner import CostTable
-from dspark.spec.sampler import request_generator
+from dspark.spec.sampler import NoiseKey
 from dspark.worker.inputs import RequestChunk
 from dspark.runner.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request_id
 from dspark.runner.setup import build_runner
@@ -172,8 +172,6 @@ class Engine:
         if request_id in self.requests or any(s.request_id in self.requests for s in seqs):
             raise ValueError(f"request id {request_id!r} is already running")
         for seq in seqs:              # n > 1: one per completion (parallel_sampling.py)
-            if seq.generator is not None and self.device.type != "cpu":   # its noise drawn there
-                seq.generator = request_generator(seq.params.seed, self.device)
             self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
         return request_id
@@ -252,13 +250,11 @@ class Engine:
         if prepared is None:
             return []
         seqs = [s.seq for s in prepared.sched.scheduled]
-        saved = self.isolation.snapshot(seqs)
         try:
             result = self._execute(prepared)
         except EngineStopped:
             raise
         except Exception as exc:                  # noqa: BLE001 (traced to a request below)
-            self.isolation.restore(saved)
             if suspect is not None:
                 self.isolation.done_with(suspect, failed=True)
                 return [self._fail_request(suspect, exc)]
@@ -309,7 +305,7 @@ class Engine:
         return result
 
     def _worker_batch(self, sched: SchedulerOutput) -> WorkerBatch:
-        chunks, params, gens, spec, request_ids, prompt_lp = [], [], [], [], [], []
+        chunks, params, keys, spec, request_ids, prompt_lp = [], [], [], [], [], []
         for s in sched.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             if s.spec:      # the anchor, then ℓ rows the drafter fills on the device
@@ -326,10 +322,10 @@ class Engine:
             chunks.append(RequestChunk(ids, start, seq.block_table, num_logits, rows, history))
             if s.sample:
                 params.append(seq.params)
-                gens.append(seq.generator)
+                keys.append(_noise_key(seq, start + (1 if s.spec else len(ids))))      # the position it samples
                 spec.append(s.spec)
                 request_ids.append(seq.request_id)
-        return WorkerBatch(chunks, params, gens, spec, request_ids=request_ids,
+        return WorkerBatch(chunks, params, keys, spec, request_ids=request_ids,
                            released_blocks=self.block_manager.take_released(), prompt_logprobs=prompt_lp)
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
@@ -390,3 +386,8 @@ class Engine:
         self.scheduler.finish(seq, reason)
         self.output_processor.release(seq)
         self.requests.pop(seq.request_id, None)
+
+
+def _noise_key(seq: Sequence, position: int) -> NoiseKey | None:
+    """Seeded sampling's noise at `position` (sampler.NoiseKey); None for the others."""
+    return NoiseKey(seq.params.seed, position) if seq.params.seed is not None and not seq.params.greedy else None

@@ -5,8 +5,8 @@ sampling tensors, the forward, sampling, acceptance) does not say which request 
 Nothing of a step is committed before it returns, and the K/V it wrote lies beyond every
 request's committed length, so its requests can simply run again: one at a time, in the steps
 that follow. The request that fails alone is failed; the others continue with exactly the
-tokens they would have had (seeded generators are restored to their state before the failed
-step). A failure that no request reproduces alone is not retried a second time: the next failed
+tokens they would have had (a seeded request's noise is a function of its seed and position,
+sampler.NoiseKey, so a retried step draws it again). A failure that no request reproduces alone is not retried a second time: the next failed
 step fails its requests, so a fault of the batch as a whole cannot loop.
 """
 
@@ -15,13 +15,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-import torch
-
 from dspark.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-GeneratorStates = list[tuple[torch.Generator, torch.Tensor]]
 
 
 class FailureIsolation:
@@ -35,17 +31,6 @@ class FailureIsolation:
     @property
     def active(self) -> bool:
         return bool(self.suspects)
-
-    @staticmethod
-    def snapshot(seqs: list[Sequence]) -> GeneratorStates:
-        """The generator state of every seeded sampling request (greedy ones draw nothing)."""
-        return [(s.generator, s.generator.get_state()) for s in seqs
-                if s.generator is not None and not s.params.greedy]
-
-    @staticmethod
-    def restore(states: GeneratorStates) -> None:
-        for generator, state in states:
-            generator.set_state(state)
 
     def begin(self, request_ids: list[str], error: BaseException) -> bool:
         """After a failed step of several requests: isolate them (True), or fail them all

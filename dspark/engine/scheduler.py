@@ -115,7 +115,7 @@ class Scheduler:
         plain = sum(1 if s.spec else s.num_new_tokens for s in scheduled)
         step = StepContext(other_tokens=plain, num_sampling=sum(1 for s in scheduled if s.sample),
                            joining_tokens=self._joining_tokens(self.config.max_num_batched_tokens - plain))
-        candidates = [Candidate(s.seq.request_id, s.verify_len, _pinned(s.seq), s.seq.num_computed_tokens,
+        candidates = [Candidate(s.seq.request_id, s.verify_len, s.seq.num_computed_tokens,
                                 self._remaining(s.seq)) for s in spec]
         plan = self.policy.plan(candidates, step)
         for s, drafted in zip(spec, plan.drafted):
@@ -207,9 +207,3 @@ class Scheduler:
         if self.policy is not None:
             self.policy.forget(seq.request_id)
         seq.metrics.finished_time = time.perf_counter()
-
-
-def _pinned(seq: Sequence) -> bool:
-    """Seeded sampling: its text must be a function of its seed, so its plan is fixed
-    (SpecPolicy._pin_seeded)."""
-    return seq.generator is not None and not seq.params.greedy

@@ -6,7 +6,6 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
 
 from dspark.outputs import RequestMetrics, SpecStats, TokenLogprobs
 from dspark.sampling_params import SamplingParams
@@ -36,9 +35,6 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         self.spec = SpecStats()
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
         self.output_text = ""
         # log-probs collected so far, when asked for (kept across preemption: never recomputed)
         self.output_logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []

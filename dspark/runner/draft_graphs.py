@@ -17,8 +17,8 @@ acceptance sees them. The context is gathered as whole pages of the widest live 
 of a width the caller forces, a data-parallel group's agreed page-table capacity), and its
 length L stays a dynamic dimension of the compiled graph: one graph per request bucket serves
 every context length without a recompile, so the page-table width needs no bucket of its own.
-The Markov loop and sampling run after the graph, eagerly (seeded rows draw from their own
-generators).
+The Markov loop and sampling run after the graph, eagerly (seeded rows draw noise of their own,
+sampler.NoiseKey).
 
 The backend follows the target's `StepGraphs.mode`: `eager` (the padded path as plain PyTorch),
 `compile` (torch.compile of `block_pass` per bucket) or `cuda` (the block pass as piecewise CUDA
@@ -199,7 +199,7 @@ class DraftGraphs:
         pad = b - r
         padded_st = SamplingTensors(
             temperature=buf.temperature, top_k=None, top_p=None, min_p=None, greedy=buf.greedy,
-            all_greedy=st.all_greedy, generators=list(st.generators) + [None] * pad,
+            all_greedy=st.all_greedy, keys=list(st.keys) + [None] * pad,
             greedy_host=list(st.greedy_host) + [True] * pad)
         padded = propose(self.drafter, kv, buf.anchors, buf.starts, buf.block_tables[:, :width],
                          self.block_size, padded_st, kv_len=width * self.block_size, run_block=runner,
@@ -242,7 +242,7 @@ def _buffers(bucket: int, tables: torch.Tensor, device: torch.device) -> DraftBu
 def _all_greedy(rows: int, device: torch.device) -> SamplingTensors:
     return SamplingTensors(temperature=torch.ones(rows, device=device), top_k=None, top_p=None,
                            min_p=None, greedy=torch.ones(rows, dtype=torch.bool, device=device),
-                           all_greedy=True, generators=[None] * rows, greedy_host=[True] * rows)
+                           all_greedy=True, keys=[None] * rows, greedy_host=[True] * rows)
 
 
 def _check_live_ids(request_ids: list[str], rows: int) -> None:

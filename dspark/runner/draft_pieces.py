@@ -6,7 +6,7 @@ shapes follow the context length L rather than the bucket. Each piece between th
 layer 0's q/k/v), one `Drafter.block_transition` per layer, and the head (`block_outputs`: the
 γ draft rows, their base logits over the draft vocabulary, the Markov state). Attention runs
 eagerly between the pieces and writes into one static buffer the next piece reads. The Markov
-loop runs after the graphs, eagerly, because seeded rows draw from their own generators.
+loop runs after the graphs, eagerly, because seeded rows draw noise of their own (sampler.NoiseKey).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 
 from dspark.models.drafter import Drafter
 from dspark.models.layers.attention import gather_blocks, write_kv
-from dspark.spec.sampler import SamplingTensors, global_exponentials, seeded_exponentials
+from dspark.spec.sampler import SamplingTensors, global_exponentials, keyed_exponentials
 from dspark.spec.types import DraftProposal
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -185,21 +185,20 @@ class _DraftSampler:
 
 def _draft_noise(drafter: Drafter, st: SamplingTensors, r: int, gamma: int,
                  device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [R, γ, V_draft] for the whole block, drawn before the loop: a seeded row
-    takes γ draws of V from its generator, as one exponential per position over the target
-    vocabulary always did, so its drafts keep their bits, but only the draft vocabulary's
-    columns are turned into noise; unseeded rows draw the draft vocabulary's alone, together.
-    Greedy rows draw nothing (their noise is never read)."""
+    """Exp(1) noise [R, γ, V_draft] for the whole block, drawn before the loop. A seeded row's
+    draft k reads the noise its target row k reads in verification (the noise of that position,
+    sampler.NoiseKey) at the draft vocabulary's columns: drafter and target race on the same
+    noise, so a draft is accepted exactly when the target would have drawn it. Unseeded rows draw
+    the draft vocabulary's columns alone, together. Greedy rows' noise is never read."""
     columns = drafter.draft_to_target_index if drafter.config.uses_draft_vocab else None
     width = drafter.config.draft_vocab_size if columns is not None else drafter.config.vocab_size
-    seeded = [(row, gen) for row, gen in enumerate(st.generators[:r])
-              if gen is not None and not st.greedy_host[row]]
-    free = [row for row in range(r) if st.generators[row] is None and not st.greedy_host[row]]
-    if len(free) == r:
+    seeded = [(row, key) for row, key in enumerate(st.keys[:r]) if key is not None and not st.greedy_host[row]]
+    if not seeded:
         return global_exponentials((r, gamma, width), device)
     noise = torch.empty(r, gamma, width, device=device)
+    free = [row for row in range(r) if st.keys[row] is None and not st.greedy_host[row]]
     if free:
         noise[free] = global_exponentials((len(free), gamma, width), device)
-    for row, gen in seeded:
-        noise[row] = seeded_exponentials(gen, gamma, drafter.config.vocab_size, device, columns)
+    for row, key in seeded:
+        noise[row] = keyed_exponentials(key, gamma, drafter.config.vocab_size, device, columns)
     return noise

@@ -36,7 +36,6 @@ class Candidate:
     """A running request whose next step could be a speculative round."""
     request_id: str
     verify_cap: int          # drafts it may verify this step (<= γ: max_tokens, context, budget)
-    pinned: bool = False     # seeded sampling: always drafts with every draft verified
     context_len: int = 0     # tokens in its KV cache (those since it last drafted are held rows)
     remaining: int = 1       # tokens it may still generate (max_tokens, the model's length)
 
@@ -182,7 +181,6 @@ class SpecPolicy:
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
                          joining_tokens=step.joining_tokens, step_ms=self.overhead.step_ms,
                          draft_extra=held_ms / np.maximum(rounds_left, 1.0))
-        plan = _pin_seeded(plan, [c.pinned for c in candidates])
         plan.predicted_accepted = expected_accepted(survival, plan)
         plan.held_ms = float(held_ms[plan.drafted].sum())
         self._drafted(candidates, states, plan.drafted)
@@ -304,7 +302,7 @@ class DraftOverhead:
 @dataclass
 class _Steady:
     """A plan at either end kept unpriced for a stretch of 1, 2, 4 ... `max_kept` steps, doubling
-    while priced plans agree: drafting nothing (ended by fewer candidates or a seeded request)
+    while priced plans agree: drafting nothing (ended by fewer candidates)
     or verifying everything of a request alone (ended by a second candidate or a joining
     prefill). Evidence fades over kept steps as over priced ones."""
     kind: str = ""          # "none", "all" or "" (nothing kept)
@@ -318,7 +316,7 @@ class _Steady:
         if step > self.until or not self.kind:
             return None
         full = n * gamma
-        if self.kind == "none" and n >= self.candidates and not any(c.pinned for c in candidates):
+        if self.kind == "none" and n >= self.candidates:
             return StepPlan(drafted=[False] * n, budget=0, full=full)
         if self.kind == "all" and n == 1 and ctx.joining_tokens == 0:
             return StepPlan(drafted=[True] * n, budget=full, full=full, predicted_accepted=self.expected * n)
@@ -340,7 +338,7 @@ def _one_exploration(candidates: list[Candidate], weight: np.ndarray, held: np.n
     context rows (its first draft appends them all). Trying every such request at once under
     load cost a step several times a plain one (the held rows of all of them appended) to
     learn what one round teaches the population: after one bad round the next plan knows."""
-    stale = [i for i, c in enumerate(candidates) if weight[i] < 0.5 and not c.pinned]
+    stale = [i for i in range(len(candidates)) if weight[i] < 0.5]
     if len(stale) < 2:
         return
     price = survival.sum(1)
@@ -354,14 +352,3 @@ def expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:
     best = np.sort(drafted, axis=None)[::-1][:plan.budget]
     return float(best.sum())
 
-
-def _pin_seeded(plan: StepPlan, pinned: list[bool]) -> StepPlan:
-    """A seeded sampling request drafts and has every draft verified, whatever the plan: which
-    drafts a sampled request verifies decides which tokens its seed draws, and the plan depends
-    on the load and on measured step times, so only a fixed choice keeps its text a function of
-    its seed (the one verify-all gives). The step then verifies every draft of every request it
-    drafts (the budget is not trimmed)."""
-    if not any(pinned):
-        return plan
-    return StepPlan(drafted=[d or p for d, p in zip(plan.drafted, pinned)], budget=plan.full,
-                    full=plan.full)

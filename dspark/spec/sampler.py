@@ -1,8 +1,11 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Everything stays on the device; the caller copies the chosen tokens to the host once per step.
-Sampling uses the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p and
-lets a seeded request draw its noise from its own generator, independent of batch composition.
+Sampling uses the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p. A
+seeded request's noise for the token at position t is a function of (seed, t) alone
+(`NoiseKey`), so its text depends on its seed and nothing else: not on the batch it shares, not
+on a failed step retried, and not on whether or how many of its drafts were verified (verify.py
+couples draft and target through the same noise).
 
 It lives in spec/ because draft and verify must sample from the same processed distribution as
 plain rows do; the worker imports it from here for those plain rows.
@@ -10,6 +13,7 @@ plain rows do; the worker imports it from here for those plain rows.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -28,11 +32,11 @@ class SamplingTensors:
     min_p: torch.Tensor | None             # [N]
     greedy: torch.Tensor                   # [N] bool
     all_greedy: bool
-    generators: list[torch.Generator | None]
+    keys: list["NoiseKey | None"]          # [N] seeded rows: where their noise comes from
     greedy_host: list[bool]                # the same flags on the host (no sync to read them)
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+    def build(cls, params: list[SamplingParams], keys: list["NoiseKey | None"],
               vocab_size: int, device: torch.device) -> "SamplingTensors":
         greedy = [p.greedy for p in params]
         t = lambda xs, dt: device_tensor(xs, dt, device)  # noqa: E731
@@ -45,7 +49,7 @@ class SamplingTensors:
             if use_k else None,
             top_p=t([p.top_p for p in params], torch.float32) if use_p else None,
             min_p=t([p.min_p for p in params], torch.float32) if use_min_p else None,
-            greedy=t(greedy, torch.bool), all_greedy=all(greedy), generators=generators,
+            greedy=t(greedy, torch.bool), all_greedy=all(greedy), keys=keys,
             greedy_host=greedy)
 
     def repeat(self, n: int) -> "SamplingTensors":
@@ -53,7 +57,7 @@ class SamplingTensors:
 
     def select(self, rows: list[int]) -> "SamplingTensors":
         """The parameters of a subset of rows (e.g. the speculative requests of a mixed step)."""
-        if rows == list(range(len(self.generators))):
+        if rows == list(range(len(self.keys))):
             return self
         index = device_tensor(rows, torch.long, self.temperature.device)
         pick = lambda x: None if x is None else x.index_select(0, index)  # noqa: E731
@@ -61,7 +65,7 @@ class SamplingTensors:
         return SamplingTensors(temperature=pick(self.temperature), top_k=pick(self.top_k),
                                top_p=pick(self.top_p), min_p=pick(self.min_p), greedy=greedy,
                                all_greedy=self.all_greedy or all(self.greedy_host[i] for i in rows),
-                               generators=[self.generators[i] for i in rows],
+                               keys=[self.keys[i] for i in rows],
                                greedy_host=[self.greedy_host[i] for i in rows])
 
 
@@ -70,11 +74,12 @@ def _rep(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 
 def repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
-    """Each request's parameters for n consecutive rows (a verify block), generators not repeated."""
+    """Each request's parameters for n consecutive rows (a verify block); row j of a seeded
+    request's block samples the token j places after its key's."""
     return SamplingTensors(temperature=_rep(st.temperature, n), top_k=_rep(st.top_k, n),
                            top_p=_rep(st.top_p, n), min_p=_rep(st.min_p, n),
                            greedy=_rep(st.greedy, n), all_greedy=st.all_greedy,
-                           generators=[g for g in st.generators for _ in range(n)],
+                           keys=[None if k is None else k.at(j) for k in st.keys for j in range(n)],
                            greedy_host=[g for g in st.greedy_host for _ in range(n)])
 
 
@@ -175,28 +180,70 @@ def _truncation(sorted_logits: torch.Tensor, norm: torch.Tensor, top_k: torch.Te
     return drop
 
 
-def request_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A seeded request's generator, made where its noise is drawn: on a GPU a vocabulary of noise
-    per row and step is drawn there, not on the host and copied. On the CPU it is the generator
-    seeded requests always had, so their tokens keep their bits (a GPU's stream differs)."""
-    if device.type == "cpu":
-        return torch.Generator().manual_seed(seed)
-    return torch.Generator(device=device).manual_seed(seed)
+@dataclass(frozen=True)
+class NoiseKey:
+    """A seeded request's row: its seed and the position of the token the row samples."""
+    seed: int
+    position: int
+
+    def at(self, offset: int) -> "NoiseKey":
+        return NoiseKey(self.seed, self.position + offset)
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
+_MASK = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 64-bit generator seed for (seed, position): splitmix64's finaliser, so that nearby seeds
+    and positions (n > 1 uses seed + i) give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def keyed_exponentials(key: NoiseKey, count: int, size: int, device: torch.device,
+                       columns: torch.Tensor | None = None) -> torch.Tensor:
+    """Exp(1) [count, size] (or its `columns` [count, C]): the noise of positions key.position ..
+    + count - 1 of a seeded request, each drawn from a generator of its own (on the device where
+    it is used: a GPU's stream differs from the CPU's)."""
+    rows = torch.stack([_position_noise(key.seed, key.position + k, size, device) for k in range(count)])
+    return rows if columns is None else rows.index_select(1, columns.to(rows.device))
+
+
+@functools.lru_cache(maxsize=128)
+def _position_noise(seed: int, position: int, size: int, device: torch.device) -> torch.Tensor:
+    """[size] one position's noise, kept for a while: a round's drafts race on the noise its
+    verification races on again, and a position a round rejects is drawn again next round.
+    Callers never write into it."""
+    mixed = _mix(seed, position)
+    gen = torch.Generator(device=device) if device.type != "cpu" else torch.Generator()
+    return seeded_exponentials(gen.manual_seed(mixed), 1, size, device)[0]
+
+
+def exponential_noise(shape: tuple[int, int], keys: list[NoiseKey | None],
                       device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [N, V]; seeded rows draw from their own generator, the others from the
-    global one in one call. Each row is drawn once."""
-    seeded = [(row, gen) for row, gen in enumerate(generators[:shape[0]]) if gen is not None]
+    """Exp(1) noise [N, V]; seeded rows from their keys, the others from the global generator
+    in one call."""
+    seeded = [(row, key) for row, key in enumerate(keys[:shape[0]]) if key is not None]
     if not seeded:
         return global_exponentials(shape, device)
     noise = torch.empty(shape, device=device)
     free = sorted(set(range(shape[0])) - {row for row, _ in seeded})
     if free:
         noise[free] = global_exponentials((len(free), shape[1]), device)
-    for row, gen in seeded:
-        noise[row] = seeded_exponentials(gen, 1, shape[1], device)[0]
+    for row, key in seeded:
+        noise[row] = keyed_exponentials(key, 1, shape[1], device)[0]
+    return noise
+
+
+def _candidate_noise(index: torch.Tensor, keys: list[NoiseKey | None], vocab_size: int) -> torch.Tensor:
+    """Exp(1) [N, K] for candidate lists `index` [N, K]: a seeded row reads its noise at its
+    candidates' ids, so it draws the token the full race would."""
+    noise = global_exponentials(tuple(index.shape), index.device)
+    for row, key in enumerate(keys):
+        if key is not None:
+            noise[row] = keyed_exponentials(key, 1, vocab_size, index.device)[0].index_select(0, index[row])
     return noise
 
 
@@ -231,17 +278,15 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     sparse = candidate_probs(logits, st)
     fits = sparse[2] if sparse is not None else [False] * logits.shape[0]
     sampled = greedy.clone()
-    # Each row takes the candidate path by its own logits and parameters alone, so a seeded
-    # row's draws never depend on which other requests share its batch.
     rows = [i for i, fit in enumerate(fits) if fit]
     if rows:
         probs, index = sparse[0][rows], sparse[1][rows]
-        noise = exponential_noise(tuple(probs.shape), [st.generators[i] for i in rows], logits.device)
+        noise = _candidate_noise(index, [st.keys[i] for i in rows], logits.shape[1])
         sampled[rows] = index.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
     rest = [i for i, fit in enumerate(fits) if not fit]
     if rest:                        # all rows (the usual case): no [N, V] copy of the logits
         sub_logits, sub = (logits, st) if not rows else (logits[rest], st.select(rest))
         probs = processed_probs(sub_logits, sub)
-        sampled[rest] = (probs / exponential_noise(tuple(probs.shape), sub.generators,
+        sampled[rest] = (probs / exponential_noise(tuple(probs.shape), sub.keys,
                                                    logits.device)).argmax(dim=-1)
     return torch.where(st.greedy, greedy, sampled)

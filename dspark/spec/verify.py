@@ -1,27 +1,23 @@
-"""Acceptance: greedy exact match, or lossless rejection sampling against the draft's q.
+"""Acceptance: greedy exact match, lossless rejection sampling against the draft's q, or for
+seeded requests the same race on shared noise.
 
 At temperature > 0 draft x_j is accepted with probability min(1, p_{j-1}(x_j) / q_j(x_j)); at the
 first rejection the next token is drawn from the residual max(p - q, 0) (renormalised), and when
-every verified draft passes a bonus token is drawn from p.  Trimmed drafts (j > ℓ) are simply not
-verified.  Everything stays on the device: no host sync until the step's single copy.
+every verified draft passes a bonus token is drawn from p.  A seeded request instead draws each
+position's token from p with that position's own noise (sampler.NoiseKey), which its drafter also
+raced on: a draft is accepted when it is that token, and the token after the accepted prefix is
+the target's own draw. Its text is then what plain decoding with the seed gives, whatever was
+drafted or verified; acceptance is that of a shared-noise coupling (at least (1-TV)/(1+TV) per
+position, against 1-TV for rejection sampling).  Trimmed drafts (j > ℓ) are simply not verified.
+Everything stays on the device: no host sync until the step's single copy.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dspark.spec.sampler import SamplingTensors, exponential_noise, processed_probs
+from dspark.spec.sampler import SamplingTensors, global_exponentials, keyed_exponentials, processed_probs
 from dspark.spec.types import DraftProposal, VerifyResult
-
-
-def uniform_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                  device: torch.device) -> torch.Tensor:
-    """U(0,1) [R, n]; seeded requests draw from their own generator."""
-    u = torch.rand(shape, device=device)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            u[row] = torch.rand(shape[1], generator=gen, device=gen.device).to(device)
-    return u
 
 
 def accept(target_logits: torch.Tensor, verify_lens: torch.Tensor, draft: DraftProposal,
@@ -37,16 +33,30 @@ def accept(target_logits: torch.Tensor, verify_lens: torch.Tensor, draft: DraftP
     p = _target_probs(target_logits, st)                                       # [R, γ+1, V]
     p_x = p[:, :gamma].gather(-1, draft.tokens[..., None]).squeeze(-1)         # [R, γ]
     q_x = draft.probs.gather(-1, draft.tokens[..., None]).squeeze(-1)          # [R, γ]
-    ok = uniform_noise((r, gamma), st.generators, target_logits.device) * q_x <= p_x
+    ok = torch.rand((r, gamma), device=target_logits.device) * q_x <= p_x
     target_argmax = target_logits.argmax(-1) if any(st.greedy_host) else None  # [R, γ+1]
     if target_argmax is not None:
         ok = torch.where(st.greedy[:, None], draft.tokens == target_argmax[:, :gamma], ok)
+    seeded = [i for i, key in enumerate(st.keys) if key is not None and not st.greedy_host[i]]
+    drawn = _seeded_draws(p, seeded, st) if seeded else None                        # [S, γ+1]
+    if drawn is not None:
+        ok[seeded] = draft.tokens[seeded] == drawn[:, :gamma]
     num_accepted = _accepted_prefix(ok, verify_lens)
-    next_token = _recover_or_bonus(p, draft.probs, num_accepted, verify_lens, st)      # [R]
+    next_token = _recover_or_bonus(p, draft.probs, num_accepted, verify_lens)      # [R]
     if target_argmax is not None:
         greedy_next = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)
         next_token = torch.where(st.greedy, greedy_next, next_token)
+    if drawn is not None:
+        next_token[seeded] = drawn.gather(1, num_accepted[seeded][:, None]).squeeze(1)
     return _result(draft, num_accepted, next_token)
+
+
+def _seeded_draws(p: torch.Tensor, rows: list[int], st: SamplingTensors) -> torch.Tensor:
+    """[S, γ+1]: the token each position of the seeded `rows` draws from p with its own noise,
+    as a plain step sampling that position would (sampler.sample)."""
+    g1, v = p.shape[1], p.shape[2]
+    noise = torch.stack([keyed_exponentials(st.keys[i], g1, v, p.device) for i in rows])    # [S, γ+1, V]
+    return (p[rows] / noise).argmax(-1)
 
 
 def _target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -80,8 +90,7 @@ def _result(draft: DraftProposal, num_accepted: torch.Tensor, next_token: torch.
     return VerifyResult(num_accepted=num_accepted, tokens=tokens)
 
 
-def _recover_or_bonus(p: torch.Tensor, q: torch.Tensor, a: torch.Tensor, lens: torch.Tensor,
-                      st: SamplingTensors) -> torch.Tensor:
+def _recover_or_bonus(p: torch.Tensor, q: torch.Tensor, a: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """p [R, γ+1, V], q [R, γ, V], a [R] accepted -> the token after each accepted prefix, drawn
     from the residual max(p - q, 0) where a draft was rejected (from p where the residual has
     no mass, or after the last verified draft). Only row a of p and q is read, picked per row."""
@@ -93,5 +102,4 @@ def _recover_or_bonus(p: torch.Tensor, q: torch.Tensor, a: torch.Tensor, lens: t
     has_mass = residual.sum(-1, keepdim=True) > 0
     rejected = (a < lens)[:, None]
     dist = torch.where(rejected & has_mass, residual, p_a)     # argmax(dist / E) needs no normalising
-    noise = exponential_noise((r, v), st.generators, p.device)
-    return (dist / noise).argmax(-1)
+    return (dist / global_exponentials((r, v), p.device)).argmax(-1)

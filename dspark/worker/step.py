@@ -14,6 +14,7 @@ import torch
 
 from dspark.outputs import TokenLogprobs
 from dspark.sampling_params import SamplingParams
+from dspark.spec.sampler import NoiseKey
 from dspark.worker.inputs import RequestChunk
 from dspark.worker.logprobs import PromptLogprobRows
 
@@ -22,7 +23,7 @@ from dspark.worker.logprobs import PromptLogprobRows
 class WorkerBatch:
     chunks: list[RequestChunk]
     params: list[SamplingParams]                  # [S] one per sampling request
-    generators: list[torch.Generator | None]      # [S]
+    keys: list[NoiseKey | None]                   # [S] seeded sampling rows: their noise
     spec: list[bool]                              # [S] a speculative block?
     verify_budget: int | None = None              # drafts to verify in total (None: all of them)
     request_ids: list[str] | None = None          # [S] (dummy rows are told apart)

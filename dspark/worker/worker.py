@@ -57,7 +57,7 @@ class Worker:
         """Run one step; `key` (a data-parallel group's agreement) fixes its graph buckets."""
         if self.drafter is not None:
             self.deferred.release(batch.released_blocks)
-        st = SamplingTensors.build(batch.params, batch.generators, self.config.vocab_size, self.device)
+        st = SamplingTensors.build(batch.params, batch.keys, self.config.vocab_size, self.device)
         blocks = [i for i, s in enumerate(batch.spec) if s]
         proposal = lens = None
         if blocks:

@@ -15,7 +15,7 @@ from dspark.models.drafter_loader import load_drafter
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
 from dspark.spec.draft import propose
-from dspark.spec.sampler import SamplingTensors
+from dspark.spec.sampler import NoiseKey, SamplingTensors
 from dspark.runner.draft_pieces import DraftPieces
 from dspark.runner.draft_graphs import (DUMMY_BLOCK_ID, DUMMY_REQUEST_PREFIX, DUMMY_START,
                                         NEUTRAL_CONFIDENCE_LOGIT, DraftGraphs, is_reserved_request_id)
@@ -115,12 +115,12 @@ def batch(r, seed=0, max_start=40, sampled=False):
 
 
 def sampling(params, seed):
-    gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed * 7 + seed) for p in params]
-    return SamplingTensors.build(params, gens, VOCAB, CPU)
+    keys = [None if p.seed is None or p.greedy else NoiseKey(p.seed * 7 + seed, 20) for p in params]
+    return SamplingTensors.build(params, keys, VOCAB, CPU)
 
 
 def run_both(graphs, drafter, kv, r, seed=0, sampled=False):
-    """(padded replay, unpadded propose) of the same requests; seeded generators restarted."""
+    """(padded replay, unpadded propose) of the same requests (a seeded row's noise is its key's)."""
     anchors, starts, tables, st = batch(r, seed, sampled=sampled)
     with torch.inference_mode():
         out = graphs.run(kv, anchors, starts, tables, st)
@@ -143,7 +143,7 @@ def test_live_rows_match_an_unpadded_propose_in_every_bucket(graphs, drafter, r)
 
 @pytest.mark.parametrize("r", [1, 3, 8])
 def test_sampled_rows_match_too(graphs, drafter, r):
-    """Seeded rows draw their noise from their own generators: the same q and the same draws."""
+    """Seeded rows draw their noise from their keys: the same q and the same draws."""
     kv = fresh_kv(drafter)
     out, ref = run_both(graphs, drafter, kv, r, seed=10 + r, sampled=True)
     assert out.proposal.probs.shape == ref.probs.shape

@@ -105,19 +105,9 @@ def test_requests_are_forgotten_and_a_plan_reports_what_it_expects():
     assert set(policy.requests) == {"b"}
 
 
-def test_a_seeded_sampling_request_drafts_with_every_draft_verified_whatever_the_plan():
-    policy = SpecPolicy(TABLE, None, gamma=2, lag=1)
-    for _ in range(300):
-        policy.acceptance.observe(None, verified=2, accepted=0)         # drafting never pays
-    step = StepContext(other_tokens=2, num_sampling=2)
-    plan = policy.plan([Candidate("free", 2), Candidate("seeded", 2, pinned=True)], step)
-    assert plan.drafted == [False, True] and plan.budget == plan.full == 4
-
-
 def test_requests_without_fresh_evidence_of_their_own_are_tried_one_at_a_time():
     """New requests where drafting pays: one step tries the one with the fewest held context
-    rows, the next adds another beside it (the first now has rounds of its own); a seeded one
-    drafts besides them whatever its evidence."""
+    rows, the next adds another beside it (the first now has rounds of its own)."""
     table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 40, draft_ms=[0.0] + [2.0 * r for r in range(1, 9)])
     policy = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
     batch = [Candidate(rid, 2, context_len=n) for rid, n in zip("abcd", (300, 100, 200, 50))]
@@ -125,8 +115,6 @@ def test_requests_without_fresh_evidence_of_their_own_are_tried_one_at_a_time():
     assert policy.plan(batch, step).drafted == [False, False, False, True]
     policy.record("d", [logit(0.99)] * 2, verified=2, accepted=2)
     assert policy.plan(batch, step).drafted == [False, True, False, True]
-    seeded = batch + [Candidate("s", 2, pinned=True, context_len=500)]
-    assert policy.plan(seeded, StepContext(other_tokens=5, num_sampling=5)).drafted[-1]
 
 
 def test_held_context_rows_are_paid_for_over_the_rounds_a_request_has_left():
@@ -201,14 +189,12 @@ def test_a_plan_that_drafts_nothing_is_kept_for_longer_stretches_until_fewer_req
     assert policy.kept_plans == kept                       # fewer candidates: priced
 
 
-def test_a_kept_undrafted_plan_ends_for_a_seeded_request_and_drafting_resumes_as_evidence_fades():
+def test_drafting_resumes_as_the_evidence_behind_a_kept_undrafted_plan_fades():
     policy = SpecPolicy(TABLE, None, gamma=2, lag=1, max_kept=8, evidence_half_life=16.0)
     for _ in range(40):
         policy.acceptance.observe(None, verified=2, accepted=0)
     step = StepContext(other_tokens=2, num_sampling=2)
     assert not policy.plan([Candidate("a", 2), Candidate("b", 2)], step).drafted[0]
-    seeded = policy.plan([Candidate("a", 2), Candidate("s", 2, pinned=True)], step)
-    assert seeded.drafted == [False, True] and seeded.budget == 4
     waited = 0
     while not policy.plan([Candidate("a", 2), Candidate("b", 2)], step).drafted[0]:
         waited += 1

@@ -1,7 +1,9 @@
 """A sampled round, batched, against a position-by-position reference: the Markov loop draws
 every position's noise up front and the acceptance tests every position in one pass, yet for the
 same seeds (and the same global seed, for unseeded rows) drafts, q, accepted counts and tokens
-are bit for bit the reference's, and every generator continues where the reference left it."""
+are bit for bit the reference's, and the global generator continues where the reference left it.
+A seeded row's reference draws each position's noise from a generator seeded by (seed, position)
+alone, and accepts a draft when the target's own race on that noise gives it."""
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from dspark.models.drafter_loader import load_drafter
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
 from dspark.spec.draft import _markov_loop
-from dspark.spec.sampler import SamplingTensors, processed_probs
+from dspark.spec.sampler import NoiseKey, SamplingTensors, _mix, processed_probs
 from dspark.spec.types import DraftProposal
 from dspark.spec.verify import _target_probs, accept
 from dspark.train.prune_vocab import prune_drafter
@@ -26,14 +28,19 @@ ROWS = {   # (temperature, seed) per row: greedy, seeded and unseeded rows, mixe
 
 def tensors(rows, vocab, **kw) -> SamplingTensors:
     params = [SamplingParams(temperature=t, seed=s, **kw) for t, s in rows]
-    gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
-    return SamplingTensors.build(params, gens, vocab, torch.device("cpu"))
+    keys = [None if p.seed is None or p.greedy else NoiseKey(p.seed, 17) for p in params]
+    return SamplingTensors.build(params, keys, vocab, torch.device("cpu"))
+
+
+def position_noise(key: NoiseKey, offset: int, vocab: int) -> torch.Tensor:
+    """Exp(1) [V]: what a seeded row's position key.position + offset races on."""
+    gen = torch.Generator().manual_seed(_mix(key.seed, key.position + offset))
+    return torch.empty(vocab).exponential_(generator=gen)
 
 
 def continuations(st: SamplingTensors) -> list:
-    """The next draws of every generator, the global one last: equal iff the streams are."""
-    own = [torch.rand(3, generator=g).tolist() for g in st.generators if g is not None]
-    return own + [torch.rand(3).tolist()]
+    """The global generator's next draws: equal iff the streams are."""
+    return [torch.rand(3).tolist()]
 
 
 @pytest.fixture(scope="module", params=["vanilla", "gated", "rnn"])
@@ -51,10 +58,10 @@ def drafters(request, tmp_path_factory):
 
 def reference_drafts(drafter, h, base, anchors, state, st):
     """Position by position: q = softmax(scatter(logits) / T) over the target vocabulary; a
-    seeded row draws one Exp(1) vector of V per position from its generator and races over V;
+    seeded row races over V on its position's noise;
     unseeded rows draw the block's noise over the draft vocabulary together, before the loop."""
     cfg, r, gamma = drafter.config, h.shape[0], h.shape[1]
-    free = [i for i in range(r) if st.generators[i] is None and not st.greedy_host[i]]
+    free = [i for i in range(r) if st.keys[i] is None and not st.greedy_host[i]]
     free_noise = torch.empty(len(free), gamma, cfg.draft_vocab_size).exponential_() if free else None
     tokens, probs, conf, prev = [], [], [], anchors
     for k in range(gamma):
@@ -67,9 +74,8 @@ def reference_drafts(drafter, h, base, anchors, state, st):
         for i in range(r):
             if st.greedy_host[i]:
                 picked.append(drafter.to_target_ids(logits[i].argmax()))
-            elif st.generators[i] is not None:
-                noise = torch.empty(cfg.vocab_size).exponential_(generator=st.generators[i])
-                picked.append((q[i] / noise).argmax())
+            elif st.keys[i] is not None:
+                picked.append((q[i] / position_noise(st.keys[i], k, cfg.vocab_size)).argmax())
             else:
                 q_draft = q[i] if not cfg.uses_draft_vocab else q[i, drafter.draft_to_target_index]
                 picked.append(drafter.to_target_ids((q_draft / free_noise[free.index(i), k]).argmax()))
@@ -107,27 +113,25 @@ def test_markov_loop_matches_the_position_by_position_reference(drafters, vocab,
 def reference_accept(logits, lens, drafts, q, st):
     """Row by row, position by position: draft j passes while u_j q_j(x_j) <= p_j(x_j); the row
     after the passed prefix draws from the residual max(p - q, 0) at a rejection (p if it has
-    no mass) or from p after the last verified draft. Noise is drawn in the engine's order:
-    the uniforms (global for every row, then each seeded row's own), then Exp(1) of V per row."""
+    no mass) or from p after the last verified draft. A seeded row passes draft j while it is
+    the target's own draw at that position (its race on the position's noise) and then takes
+    that draw. Global noise in the engine's order: the uniforms, then Exp(1) of V per row."""
     r, g1, v = logits.shape
     p = processed_probs(logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
     u = torch.rand(r, g1 - 1)
-    for i, gen in enumerate(st.generators):
-        if gen is not None:
-            u[i] = torch.rand(g1 - 1, generator=gen)
-    free = [i for i, gen in enumerate(st.generators) if gen is None]
-    free_noise = torch.empty(len(free), v).exponential_() if free else None
+    global_noise = torch.empty(r, v).exponential_()
     accepted, tokens = [], []
     for i in range(r):
-        gen = st.generators[i]
-        noise = free_noise[free.index(i)] if gen is None else torch.empty(v).exponential_(generator=gen)
         a, target = 0, logits[i].argmax(-1)
-        if st.greedy_host[i]:
+        if st.keys[i] is not None:
+            target = torch.stack([(p[i, j] / position_noise(st.keys[i], j, v)).argmax() for j in range(g1)])
+        if st.greedy_host[i] or st.keys[i] is not None:
             while a < lens[i] and drafts[i, a] == target[a]:
                 a += 1
             accepted.append(a)
             tokens.append(drafts[i, :a].tolist() + [int(target[a])])
             continue
+        noise = global_noise[i]
         while a < lens[i] and u[i, a] * q[i, a, drafts[i, a]] <= p[i, a, drafts[i, a]]:
             a += 1
         dist = p[i, a]

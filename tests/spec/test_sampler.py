@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark.sampling_params import SamplingParams
-from dspark.spec.sampler import SamplingTensors, processed_probs, sample
+from dspark.spec.sampler import NoiseKey, SamplingTensors, _mix, processed_probs, sample
 
 
 def tensors(params, gens=None, vocab=5):
@@ -54,7 +54,7 @@ def test_empirical_distribution_matches():
 def test_seeded_rows_are_reproducible_and_mixed_batches_work():
     logits = torch.randn(3, 40)
     def draw():
-        gens = [torch.Generator().manual_seed(5), None, torch.Generator().manual_seed(9)]
+        gens = [NoiseKey(5, 12), None, NoiseKey(9, 12)]
         params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0),
                   SamplingParams(temperature=1.0, seed=9)]
         return [sample(logits, tensors(params, gens, vocab=40)).tolist() for _ in range(1)][0]
@@ -129,34 +129,37 @@ def test_candidate_sampling_falls_back_when_the_kept_set_is_wider():
     assert int(out[0]) == int(logits[0].argmax()) and int(out[1]) in logits[1].topk(3).indices.tolist()
 
 
-def test_seeded_rows_draw_their_noise_from_their_own_generator_once():
+def test_a_seeded_rows_noise_is_a_function_of_its_seed_and_position():
     from dspark.spec.sampler import exponential_noise
-    gens = [torch.Generator().manual_seed(3), None, torch.Generator().manual_seed(4)]
-    noise = exponential_noise((3, 50), gens, torch.device("cpu"))
-    for row, seed in ((0, 3), (2, 4)):
-        ref = torch.empty(50).exponential_(generator=torch.Generator().manual_seed(seed))
+    keys = [NoiseKey(3, 10), None, NoiseKey(4, 10), NoiseKey(3, 11)]
+    noise = exponential_noise((4, 50), keys, torch.device("cpu"))
+    for row, (seed, position) in ((0, (3, 10)), (2, (4, 10)), (3, (3, 11))):
+        ref = torch.empty(50).exponential_(generator=torch.Generator().manual_seed(_mix(seed, position)))
         assert torch.equal(noise[row], ref)
     assert bool((noise[1] > 0).all())
-    assert not gens[0].get_state().equal(torch.Generator().manual_seed(3).get_state())   # consumed
+    assert torch.equal(exponential_noise((4, 50), keys, torch.device("cpu"))[[0, 2, 3]], noise[[0, 2, 3]])
+    assert len({_mix(s, t) for s in range(50) for t in range(50)}) == 2500    # seed + i, t + 1 differ
 
 
-def test_a_seeded_rows_draw_does_not_depend_on_its_batch():
+def test_a_seeded_rows_draw_does_not_depend_on_its_batch_or_path():
     """A row that fits the candidates beside one that does not (so the batch takes both paths):
-    each seeded row still samples what it samples alone."""
+    each seeded row still samples what it samples alone, and what the full race would give."""
     from dspark.spec.sampler import CANDIDATES
     v = CANDIDATES * 4
     peaked = torch.zeros(v)
     peaked[[700, 3, 400, 9, 250]] = torch.tensor([3.0, 2.8, 2.6, 2.4, 2.2]) + 8.0   # not in id order
     flat = torch.zeros(v)
-    alone, mixed = [], []
+    alone, mixed, full = [], [], []
     for seed in range(40):
         p = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
-        gens = [torch.Generator().manual_seed(seed)]
-        alone.append(int(sample(peaked[None], tensors([p], gens, vocab=v))[0]))
-        gens = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 100)]
-        both = sample(torch.stack([peaked, flat]), tensors([p, p], gens, vocab=v))
+        alone.append(int(sample(peaked[None], tensors([p], [NoiseKey(seed, 5)], vocab=v))[0]))
+        both = sample(torch.stack([peaked, flat]), tensors([p, p], [NoiseKey(seed, 5), NoiseKey(seed + 100, 5)],
+                                                           vocab=v))
         mixed.append(int(both[0]))
-    assert alone == mixed and len(set(alone)) > 1
+        probs = processed_probs(peaked[None], tensors([p], vocab=v))[0]
+        noise = torch.empty(v).exponential_(generator=torch.Generator().manual_seed(_mix(seed, 5)))
+        full.append(int((probs / noise).argmax()))
+    assert alone == mixed == full and len(set(alone)) > 1
 
 
 def test_unseeded_noise_is_the_global_generators_exponential_bit_for_bit():
@@ -169,34 +172,17 @@ def test_unseeded_noise_is_the_global_generators_exponential_bit_for_bit():
         assert torch.equal(got, want) and torch.equal(torch.rand(2), want_next)
 
 
-def test_a_cpu_request_generator_is_the_one_seeded_requests_always_had():
-    from dspark.spec.sampler import request_generator
-    cpu = torch.device("cpu")
-    gen = request_generator(11, cpu)
-    assert gen.device.type == "cpu" and torch.equal(gen.get_state(), torch.Generator().manual_seed(11).get_state())
-    p = SamplingParams(temperature=1.0, top_k=40)
-    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(0))
-    new = sample(logits, tensors([p, p], [request_generator(11, cpu), request_generator(12, cpu)], vocab=300))
-    old = sample(logits, tensors([p, p], [torch.Generator().manual_seed(11), torch.Generator().manual_seed(12)],
-                                 vocab=300))
-    assert torch.equal(new, old)
-
-
 @pytest.mark.cuda
-def test_a_gpu_request_generator_draws_its_noise_on_the_gpu():
-    from dspark.spec.sampler import exponential_noise, request_generator
+def test_a_seeded_rows_noise_is_drawn_on_the_gpu():
+    from dspark.spec.sampler import keyed_exponentials
     if not torch.cuda.is_available():
         pytest.fail("the cuda tests need an NVIDIA GPU (deselect them with -m 'not cuda')")
     device = torch.device("cuda")
-    gens = [request_generator(5, device), None, request_generator(6, device)]
-    assert all(g is None or g.device.type == "cuda" for g in gens)
-    noise = exponential_noise((3, 1000), gens, device)
-    again = exponential_noise((3, 1000), [request_generator(5, device), None, request_generator(6, device)], device)
-    assert noise.device.type == "cuda" and torch.equal(noise[0], again[0]) and torch.equal(noise[2], again[2])
-    assert bool((noise > 0).all())
+    noise = keyed_exponentials(NoiseKey(5, 3), 2, 1000, device)
+    assert noise.device.type == "cuda" and bool((noise > 0).all())
+    assert torch.equal(noise, keyed_exponentials(NoiseKey(5, 3), 2, 1000, device))
     p = SamplingParams(temperature=1.0, seed=5)
     logits = torch.randn(1, 1000, device=device)
-    st = SamplingTensors.build([p], [request_generator(5, device)], 1000, device)
-    token = sample(logits, st)
+    token = sample(logits, SamplingTensors.build([p], [NoiseKey(5, 3)], 1000, device))
     assert token.device.type == "cuda"
-    assert torch.equal(token, sample(logits, SamplingTensors.build([p], [request_generator(5, device)], 1000, device)))
+    assert torch.equal(token, sample(logits, SamplingTensors.build([p], [NoiseKey(5, 3)], 1000, device)))
