@@ -109,16 +109,23 @@ def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors:
                  state: torch.Tensor | None, st: SamplingTensors,
                  fused: FusedDraft | None = None) -> DraftProposal:
     """base [R, γ, V_draft]; sample x_k from softmax((U_k + B_k) / T) given x_{k-1}. A greedy
-    step's vanilla head runs as one kernel call where the drafter's fused layers run; a sampled
-    step sets up its noise and buffers once (`_DraftSampler`), so each position adds only the
-    head's step, one softmax and one race."""
+    step's vanilla head runs as one kernel call where the drafter's fused layers run. So does a
+    step whose sampled rows are all seeded: they race on their positions' noise (verify.py needs
+    no q for them), which is the greedy loop on logits plus T times Gumbel noise. Other sampled
+    steps set up noise and buffers once (`_DraftSampler`), so each position adds only the head's
+    step, one softmax and one race."""
     cfg = drafter.config
-    greedy = fused.markov_greedy(drafter, h, base, anchors) if st.all_greedy and fused is not None else None
+    raced = not st.all_greedy and all(key is not None or g for key, g in zip(st.keys, st.greedy_host))
+    if raced:           # argmax(softmax(z / T) / E) = argmax(z - T log E): the greedy loop on noised logits
+        gumbel = _draft_noise(drafter, st, base.shape[0], base.shape[1], base.device).log_().neg_()
+        base = base + gumbel.masked_fill_(st.greedy[:, None, None], 0.0).mul_(st.temperature[:, None, None])
+    greedy = fused.markov_greedy(drafter, h, base, anchors) if (st.all_greedy or raced) and fused is not None \
+        else None
     if greedy is not None:
         return DraftProposal(tokens=greedy[0], probs=None,
                              confidence_logits=greedy[1] if cfg.enable_confidence_head else None)
-    sampler = None if st.all_greedy else _DraftSampler.start(drafter, st, anchors.shape[0], h.shape[1],
-                                                             base.device)
+    sampler = None if st.all_greedy or raced else _DraftSampler.start(drafter, st, anchors.shape[0], h.shape[1],
+                                                                      base.device)
     tokens, conf = [], []
     prev = anchors
     for k in range(h.shape[1]):

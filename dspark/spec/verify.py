@@ -30,6 +30,12 @@ def accept(target_logits: torch.Tensor, verify_lens: torch.Tensor, draft: DraftP
         return accept_greedy(target_logits.argmax(-1), verify_lens, draft)
     r, g1, _ = target_logits.shape
     gamma = g1 - 1
+    seeded = [i for i, key in enumerate(st.keys) if key is not None and not st.greedy_host[i]]
+    if draft.probs is None:          # every sampled row seeded (draft.py raced them): no q, no ratio test
+        choice = target_logits.argmax(-1)                                       # [R, γ+1]
+        sub = st.select(seeded)
+        choice[seeded] = _seeded_draws(_target_probs(target_logits[seeded], sub), sub)
+        return accept_greedy(choice, verify_lens, draft)
     p = _target_probs(target_logits, st)                                       # [R, γ+1, V]
     p_x = p[:, :gamma].gather(-1, draft.tokens[..., None]).squeeze(-1)         # [R, γ]
     q_x = draft.probs.gather(-1, draft.tokens[..., None]).squeeze(-1)          # [R, γ]
@@ -37,8 +43,7 @@ def accept(target_logits: torch.Tensor, verify_lens: torch.Tensor, draft: DraftP
     target_argmax = target_logits.argmax(-1) if any(st.greedy_host) else None  # [R, γ+1]
     if target_argmax is not None:
         ok = torch.where(st.greedy[:, None], draft.tokens == target_argmax[:, :gamma], ok)
-    seeded = [i for i, key in enumerate(st.keys) if key is not None and not st.greedy_host[i]]
-    drawn = _seeded_draws(p, seeded, st) if seeded else None                        # [S, γ+1]
+    drawn = _seeded_draws(p[seeded], st.select(seeded)) if seeded else None            # [S, γ+1]
     if drawn is not None:
         ok[seeded] = draft.tokens[seeded] == drawn[:, :gamma]
     num_accepted = _accepted_prefix(ok, verify_lens)
@@ -51,12 +56,12 @@ def accept(target_logits: torch.Tensor, verify_lens: torch.Tensor, draft: DraftP
     return _result(draft, num_accepted, next_token)
 
 
-def _seeded_draws(p: torch.Tensor, rows: list[int], st: SamplingTensors) -> torch.Tensor:
-    """[S, γ+1]: the token each position of the seeded `rows` draws from p with its own noise,
-    as a plain step sampling that position would (sampler.sample)."""
+def _seeded_draws(p: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """p [S, γ+1, V] of seeded rows -> [S, γ+1] the token each position draws with its own
+    noise, as a plain step sampling that position would (sampler.sample)."""
     g1, v = p.shape[1], p.shape[2]
-    noise = torch.stack([keyed_exponentials(st.keys[i], g1, v, p.device) for i in rows])    # [S, γ+1, V]
-    return (p[rows] / noise).argmax(-1)
+    noise = torch.stack([keyed_exponentials(key, g1, v, p.device) for key in st.keys])      # [S, γ+1, V]
+    return (p / noise).argmax(-1)
 
 
 def _target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

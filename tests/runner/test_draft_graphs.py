@@ -109,7 +109,7 @@ def batch(r, seed=0, max_start=40, sampled=False):
     for i, n in enumerate(pages):
         tables[i, :n] = torch.arange(i * MAX_PAGES, i * MAX_PAGES + n)
     params = [SamplingParams(temperature=0.0) if not sampled or i % 3 == 1 else
-              SamplingParams(temperature=0.7 + 0.1 * i, seed=100 + i) for i in range(r)]
+              SamplingParams(temperature=0.7 + 0.1 * i, seed=None if i % 3 == 2 else 100 + i) for i in range(r)]
     st = sampling(params, seed)
     return torch.randint(3, VOCAB - 2, (r,), generator=g), starts, tables, st
 
@@ -123,8 +123,10 @@ def run_both(graphs, drafter, kv, r, seed=0, sampled=False):
     """(padded replay, unpadded propose) of the same requests (a seeded row's noise is its key's)."""
     anchors, starts, tables, st = batch(r, seed, sampled=sampled)
     with torch.inference_mode():
+        torch.manual_seed(seed)                         # unseeded rows: the same global noise
         out = graphs.run(kv, anchors, starts, tables, st)
         _, _, _, st = batch(r, seed, sampled=sampled)
+        torch.manual_seed(seed)
         ref = propose(drafter, kv, anchors, starts, tables, BLOCK, st)
     return out, ref
 
@@ -143,11 +145,13 @@ def test_live_rows_match_an_unpadded_propose_in_every_bucket(graphs, drafter, r)
 
 @pytest.mark.parametrize("r", [1, 3, 8])
 def test_sampled_rows_match_too(graphs, drafter, r):
-    """Seeded rows draw their noise from their keys: the same q and the same draws."""
+    """Seeded rows draw their noise from their keys, unseeded ones from the global generator: the
+    same draws, and the same q where an unseeded row needs one (1 request: seeded alone, raced)."""
     kv = fresh_kv(drafter)
     out, ref = run_both(graphs, drafter, kv, r, seed=10 + r, sampled=True)
-    assert out.proposal.probs.shape == ref.probs.shape
-    torch.testing.assert_close(out.proposal.probs, ref.probs, **CLOSE)
+    assert (out.proposal.probs is None) == (ref.probs is None) == (r < 3)
+    if ref.probs is not None:
+        torch.testing.assert_close(out.proposal.probs, ref.probs, **CLOSE)
     assert torch.equal(out.proposal.tokens, ref.tokens)
     torch.testing.assert_close(out.proposal.confidence_logits, ref.confidence_logits, **CLOSE)
 

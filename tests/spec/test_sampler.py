@@ -172,6 +172,17 @@ def test_unseeded_noise_is_the_global_generators_exponential_bit_for_bit():
         assert torch.equal(got, want) and torch.equal(torch.rand(2), want_next)
 
 
+def test_seeded_exponentials_equal_torch_exponential():
+    from dspark.spec import sampler
+    for seed, size, count in [(0, 1, 1), (5, 49153, 3), (2 ** 40 + 7, 1000, 7)]:
+        a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        want = torch.stack([torch.empty(size).exponential_(generator=a) for _ in range(count)])
+        assert torch.equal(sampler.seeded_exponentials(b, count, size, torch.device("cpu")), want)
+        cols = torch.tensor([0, size // 2, size - 1])
+        c = torch.Generator().manual_seed(seed)
+        assert torch.equal(sampler.seeded_exponentials(c, count, size, torch.device("cpu"), cols), want[:, cols])
+
+
 @pytest.mark.cuda
 def test_a_seeded_rows_noise_is_drawn_on_the_gpu():
     from dspark.spec.sampler import keyed_exponentials
