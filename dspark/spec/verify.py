@@ -32,6 +32,8 @@ def accept(target_logits: torch.Tensor, verify_lens: torch.Tensor, draft: DraftP
     gamma = g1 - 1
     seeded = [i for i, key in enumerate(st.keys) if key is not None and not st.greedy_host[i]]
     if draft.probs is None:          # every sampled row seeded (draft.py raced them): no q, no ratio test
+        if len(seeded) == r:
+            return accept_greedy(_seeded_draws(_target_probs(target_logits, st), st), verify_lens, draft)
         choice = target_logits.argmax(-1)                                       # [R, γ+1]
         sub = st.select(seeded)
         choice[seeded] = _seeded_draws(_target_probs(target_logits[seeded], sub), sub)
