@@ -132,16 +132,18 @@ def test_markov_loop_matches_the_position_by_position_reference(drafters, vocab,
     assert len({tuple(t) for t in got[0].tolist()}) > 1
 
 
-def reference_accept(logits, lens, drafts, q, st):
+def reference_accept(logits, lens, drafts, q, st, raced=False):
     """Row by row, position by position: draft j passes while u_j q_j(x_j) <= p_j(x_j); the row
     after the passed prefix draws from the residual max(p - q, 0) at a rejection (p if it has
     no mass) or from p after the last verified draft. A seeded row passes draft j while it is
     the target's own draw at that position (its race on the position's noise) and then takes
-    that draw. Global noise in the engine's order: the uniforms, then Exp(1) of V per row."""
+    that draw. Global noise in the engine's order: the uniforms, then Exp(1) of V per row (none
+    when the drafts came without q: every sampled row seeded)."""
     r, g1, v = logits.shape
     p = processed_probs(logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
-    u = torch.rand(r, g1 - 1)
-    global_noise = torch.empty(r, v).exponential_()
+    if not raced:
+        u = torch.rand(r, g1 - 1)
+        global_noise = torch.empty(r, v).exponential_()
     accepted, tokens = [], []
     for i in range(r):
         a, target = 0, logits[i].argmax(-1)
@@ -181,17 +183,17 @@ def test_acceptance_matches_the_position_by_position_reference(vocab, settings, 
         drafts = torch.multinomial(q.reshape(-1, vocab), 1).view(r, gamma)
         drafts[:, 0] = logits[:, 0].argmax(-1)                 # greedy rows pass a draft or more
         lens = torch.randint(0, gamma + 1, (r,))
+        raced = rows == "seeded" and trial % 2 == 1          # as draft.py proposes them: no q
         runs = []
         for run in ("batched", "reference"):
             st = tensors(ROWS[rows], vocab, **settings)
             torch.manual_seed(50 + trial)
             if run == "batched":
-                raced = rows == "seeded" and trial % 2 == 1          # as draft.py proposes them: no q
                 res = accept(logits, lens, DraftProposal(drafts, None if raced else q, None), st)
                 a = res.num_accepted.tolist()
                 out = (a, [res.tokens[i, :a[i] + 1].tolist() for i in range(r)])
             else:
-                out = reference_accept(logits, lens, drafts, q, st)
+                out = reference_accept(logits, lens, drafts, q, st, raced)
             runs.append((out, continuations(st)))
         assert runs[0] == runs[1]
 
