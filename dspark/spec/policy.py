@@ -351,4 +351,3 @@ def expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:
     drafted = survival[np.asarray(plan.drafted, dtype=bool)]
     best = np.sort(drafted, axis=None)[::-1][:plan.budget]
     return float(best.sum())
-
