@@ -35,6 +35,7 @@ from dspark.server.async_engine import (AsyncEngine, EngineNotRunning, QueueFull
 from dspark.server.auth import ApiKeyAuth
 from dspark.server.body_limit import BodyLimit
 from dspark.server.chat_template import install_chat_template, load_chat_template
+from dspark.server.engine_thread import EngineThread
 from dspark.server.errors import APIError, install_error_handlers
 from dspark.server.extra_routes import add_extra_routes
 from dspark.server.limits import ServerLimits
@@ -204,13 +205,18 @@ def build_app(engine: Engine | EngineConfig, served_model_name: str | Sequence[s
     # a warning when the model's values apply, as vLLM does: they change what unset fields mean
     level = logging.WARNING if defaults else logging.INFO
     logger.log(level, "%s", describe(defaults, config.generation_config))
-    engine = _started(engine, template)
+    thread = EngineThread()              # builds the engine it will step (engine_thread.py)
+    try:
+        engine = thread.submit(_started, engine, template).result()
+    except BaseException:
+        thread.close()
+        raise
     limits = limits or ServerLimits()
     gamma = engine.drafter.config.block_size if engine.drafter is not None else 0
     metrics = ServerMetrics(gamma)
     observers = [metrics, VllmMetrics(metrics.registry, names[0], gamma)]
     async_engine = AsyncEngine(engine, max_queue, observers=observers, on_fatal=on_fatal,
-                               max_pending_outputs=limits.max_pending_outputs)
+                               max_pending_outputs=limits.max_pending_outputs, thread=thread)
     state = ServerState(async_engine, names, metrics, limits, defaults)
 
     @asynccontextmanager

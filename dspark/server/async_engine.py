@@ -14,6 +14,7 @@ maps to status codes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -27,6 +28,7 @@ from dspark.engine.engine import Engine, EngineStopped
 from dspark.engine.parallel_sampling import request_ids
 from dspark.outputs import RequestOutput, SpecStats
 from dspark.sampling_params import SamplingParams
+from dspark.server.engine_thread import EngineThread
 from dspark.server.request_stream import RequestStream
 from dspark.server.watchdog import StepWatchdog
 
@@ -95,8 +97,9 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int | None = 256,
                  observers: Sequence[EngineObserver] = (),
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 max_pending_outputs: int | None = None):
+                 max_pending_outputs: int | None = None, thread: EngineThread | None = None):
         self.engine = engine
+        self._worker = thread                # the thread that built the engine, if one did
         self.max_pending_outputs = max_pending_outputs   # a streaming reader's allowance (request_stream.py)
         self.on_fatal = on_fatal             # the server's exit, when the engine cannot go on
         self.fatal: BaseException | None = None
@@ -113,14 +116,14 @@ class AsyncEngine:
         self.draining = False                # set by `drain`: new requests are refused
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop_done: concurrent.futures.Future | None = None
 
     # ---- lifecycle (event loop side) ------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
-        self._thread.start()
+        self._worker = self._worker or EngineThread()
+        self._loop_done = self._worker.submit(self._run)
         limit = self.engine.step_limit_s
         if limit is not None:
             self._watchdog = StepWatchdog(limit, lambda: self._step_started, self._stalled).start()
@@ -134,8 +137,10 @@ class AsyncEngine:
             self._cond.notify()
         if self._watchdog is not None:
             self._watchdog.stop()
-        if self._thread is not None:        # a stalled engine thread is left behind (daemon)
-            await asyncio.to_thread(self._thread.join, None if self.fatal is None else 5.0)
+        if self._loop_done is not None:     # a stalled engine thread is left behind (daemon)
+            await asyncio.to_thread(concurrent.futures.wait, [self._loop_done],
+                                    None if self.fatal is None else 5.0)
+            self._worker.close()
         for stream in list(self._streams.values()):
             if not stream.accepted.done():
                 stream.accepted.set_exception(EngineNotRunning("the server is shutting down"))
@@ -163,7 +168,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.fatal is None
+        return self._loop_done is not None and not self._loop_done.done() and self.fatal is None
 
     @property
     def num_waiting(self) -> int:
