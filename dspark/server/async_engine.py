@@ -141,6 +141,7 @@ class AsyncEngine:
             await asyncio.to_thread(concurrent.futures.wait, [self._loop_done],
                                     None if self.fatal is None else 5.0)
             self._worker.close()
+            self._worker = None              # a later start runs on a thread of its own
         for stream in list(self._streams.values()):
             if not stream.accepted.done():
                 stream.accepted.set_exception(EngineNotRunning("the server is shutting down"))
