@@ -6,8 +6,9 @@ Nothing of a step is committed before it returns, and the K/V it wrote lies beyo
 request's committed length, so its requests can simply run again: one at a time, in the steps
 that follow. The request that fails alone is failed; the others continue with exactly the
 tokens they would have had (a seeded request's noise is a function of its seed and position,
-sampler.NoiseKey, so a retried step draws it again). A failure that no request reproduces alone is not retried a second time: the next failed
-step fails its requests, so a fault of the batch as a whole cannot loop.
+sampler.NoiseKey, so a retried step draws it again). A failure that no request reproduces alone
+is not retried a second time: the next failed step fails its requests, so a fault of the batch
+as a whole cannot loop.
 """
 
 from __future__ import annotations

@@ -243,7 +243,7 @@ def _candidate_noise(index: torch.Tensor, keys: list[NoiseKey | None], vocab_siz
     noise = global_exponentials(tuple(index.shape), index.device)
     for row, key in enumerate(keys):
         if key is not None:
-            noise[row] = keyed_exponentials(key, 1, vocab_size, index.device)[0].index_select(0, index[row])
+            noise[row] = keyed_exponentials(key, 1, vocab_size, index.device, index[row])[0]
     return noise
 
 
