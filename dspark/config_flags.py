@@ -107,3 +107,19 @@ def _add_flag(group: Any, flag: EngineFlag) -> None:
         group.add_argument("--no-" + flag.name.lstrip("-"), dest=flag.none_dest, action="store_true",
                            help=meta["none_help"])
 
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags that reproduce `args`' engine options in another `dspark` process (the
+    inverse of `engine_config_from_args`): the fields that differ from their defaults."""
+    values, argv = vars(args), []
+    for flag in engine_flags():
+        if flag.none_dest is not None and values[flag.none_dest]:
+            argv.append("--no-" + flag.name.lstrip("-"))
+            continue
+        value = values[flag.dest]
+        if flag.kind is bool:
+            argv += [flag.name] if value else []
+        elif value is not None and value != flag.field.default:
+            argv += [flag.name, str(value)]
+    return argv

@@ -12,7 +12,7 @@ import pytest
 
 from dspark.cli import build_parser, main
 from dspark.config import EngineConfig
-from dspark.config_flags import add_engine_flags, engine_config_from_args, engine_flags
+from dspark.config_flags import add_engine_flags, engine_argv, engine_config_from_args, engine_flags
 
 # Commands that start an engine, with the flags each needs besides the engine's.
 ENGINE_COMMANDS = {"generate": [], "chat": [], "demo": [], "serve": [], "bench": [],
@@ -115,6 +115,15 @@ def test_no_drafter_wins_over_a_drafter(tmp_path):
     assert engine_config_from_args(parser.parse_args(["--no-drafter"])).spec.drafter is None
     args = parser.parse_args(["--drafter", str(tmp_path), "--no-drafter"])
     assert engine_config_from_args(args).spec.drafter is None and args.no_drafter
+
+
+def test_engine_argv_gives_another_process_the_same_config(tmp_path):
+    parser = engine_parser()
+    for words in (sum(non_default_argv(tmp_path).values(), []), [], ["--no-drafter", "--threads", "1"]):
+        args = parser.parse_args(words)
+        argv = engine_argv(args)
+        assert engine_config_from_args(parser.parse_args(argv)) == engine_config_from_args(args), words
+        assert len(argv) <= len(words), "only the fields that differ from their defaults"
 
 
 def engine_help(command: str, capsys) -> str:

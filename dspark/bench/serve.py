@@ -25,12 +25,10 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dspark.bench.prompts import CHAT, bench_prompts
-
-if TYPE_CHECKING:                       # the server dependencies load only with --launch
-    from dspark.server.launch import ServerThread
+from dspark.bench.server_process import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +281,7 @@ def add_serve_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
                         help="OpenAI-compatible endpoint (ignored with --launch)")
     parser.add_argument("--launch", action="store_true",
-                        help="start a dspark server in-process on a free loopback port first")
+                        help="start a dspark server (a process of its own) on a free loopback port first")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
     parser.add_argument("--concurrency", default="1,2,4,8",
                         help="comma-separated numbers of concurrent clients")
@@ -343,16 +341,12 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def launch(args: argparse.Namespace, no_drafter: bool | None = None) -> ServerThread:
-    """A dspark server in this process on a free loopback port, from the engine arguments in
-    `args`; `no_drafter` overrides theirs, so one set of arguments yields both servers to compare."""
-    from dspark.server.api_server import build_app
-    from dspark.config_flags import engine_config_from_args
-    from dspark.server.launch import ServerThread
+def launch(args: argparse.Namespace, no_drafter: bool | None = None) -> ServerProcess:
+    """A dspark server in a process of its own on a free loopback port, from the engine arguments
+    in `args`; `no_drafter` overrides theirs, so one set of arguments yields both servers to compare."""
     if no_drafter is not None:
         args = argparse.Namespace(**{**vars(args), "no_drafter": no_drafter})
-    app = build_app(engine_config_from_args(args), max_queue=max(256, max(parse_levels(args.concurrency))))
-    return ServerThread(app).start()
+    return ServerProcess(args, max_queue=max(256, max(parse_levels(args.concurrency)))).start()
 
 
 __all__ = ["add_serve_bench_args", "add_serve_client_flags", "launch", "run_serve_bench"]

@@ -1,7 +1,7 @@
 """`dspark bench --mode serve --compare-no-drafter`: one engine served with its drafter and without.
 
-Both servers run in this process from the same engine arguments: "default" as given, "plain"
-with --no-drafter.  At each concurrency level the two take turns round by round (default,
+Both servers start from the same engine arguments, each in a process of its own as a user's
+would: "default" as given, "plain" with --no-drafter.  At each concurrency level the two take turns round by round (default,
 plain, default, plain, ...), so that drift in the machine's speed (clocks, other load, a
 neighbour's jobs) falls on both alike.  Every round sends the same requests, so rounds differ
 only by noise; each system's throughput at a level is the median over its rounds, and
@@ -17,13 +17,11 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dspark.bench.serve import (Endpoint, LevelResult, Workload, format_table, launch, make_workload, probe,
                                 run_level, summarize, warm_up)
-
-if TYPE_CHECKING:
-    from dspark.server.launch import ServerThread
+from dspark.bench.server_process import ServerProcess
 
 SYSTEMS = ("default", "plain")
 SPEC_KEYS = ("acceptance_rate", "accepted_per_round", "drafted_per_request", "rounds_per_request")
@@ -66,7 +64,7 @@ class LevelRounds:
 def run_compare_bench(args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
     _check(args)
     chat = args.chat is not False
-    servers: dict[str, ServerThread] = {}
+    servers: dict[str, ServerProcess] = {}
     try:
         for system in SYSTEMS:
             servers[system] = _start(args, system)
@@ -92,7 +90,7 @@ def _check(args: argparse.Namespace) -> None:
                          f"({args.requests_per_round}) must be at least 1")
 
 
-def _start(args: argparse.Namespace, system: str) -> ServerThread:
+def _start(args: argparse.Namespace, system: str) -> ServerProcess:
     model = args.model or "the embedded model"
     drafter = "--no-drafter" if system == "plain" else f"drafter {args.drafter}"
     print(f"launching the {system} server: {model}, {drafter}, device {args.device} "
