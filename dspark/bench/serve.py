@@ -299,7 +299,7 @@ def add_serve_client_flags(parser: argparse.ArgumentParser) -> None:
                         help="launch two servers from the same engine arguments, one as given and one "
                              "with --no-drafter, and alternate their rounds at each level "
                              "(implies --launch; --repetitions: rounds per server and level)")
-    parser.add_argument("--requests-per-round", type=int, default=8,
+    parser.add_argument("--requests-per-round", type=int, default=32,
                         help="with --compare-no-drafter: requests per round at least (each of c "
                              "clients sends ceil(max(c, this) / c))")
 

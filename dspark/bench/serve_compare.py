@@ -1,12 +1,13 @@
 """`dspark bench --mode serve --compare-no-drafter`: one engine served with its drafter and without.
 
 Both servers start from the same engine arguments, each in a process of its own as a user's
-would: "default" as given, "plain" with --no-drafter.  At each concurrency level the two take turns round by round (default,
-plain, default, plain, ...), so that drift in the machine's speed (clocks, other load, a
-neighbour's jobs) falls on both alike.  Every round sends the same requests, so rounds differ
-only by noise; each system's throughput at a level is the median over its rounds, and
-default/plain is the ratio of those medians.  Only one server is busy at a time: the idle
-engine sleeps until its next request.  With chat prompts (the default here) the requests go
+would: "default" as given, "plain" with --no-drafter. At each concurrency level the two take
+turns round by round, in the order default, plain, plain, default, default, plain, ..., so that
+drift in the machine's speed (clocks, other load, a neighbour's jobs) and whatever a round
+inherits from the one before it fall on both alike. Every round sends the same requests, so
+rounds differ only by noise; each system's throughput at a level is the median over its rounds,
+and default/plain is the ratio of those medians. Only one server is busy at a time: the idle
+engine sleeps until its next request. With chat prompts (the default here) the requests go
 through /v1/chat/completions, as a chat client's would.
 """
 
@@ -106,7 +107,7 @@ def _run_level(endpoints: dict[str, Endpoint], workload: Workload, concurrency: 
     per_client = -(-max(concurrency, args.requests_per_round) // concurrency)
     level = LevelRounds(concurrency)
     for index in range(args.repetitions):
-        for system in SYSTEMS:
+        for system in SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]:
             result = run_level(endpoints[system], workload, concurrency, per_client)
             level.rounds[system].append(result)
             print(f"concurrency {concurrency}, round {index + 1}/{args.repetitions}, {system}: "

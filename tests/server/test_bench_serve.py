@@ -17,6 +17,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@pytest.mark.slow                       # a server process starts and measures
 def test_launch_with_drafter(target_dir, drafter_dir, capsys):
     args = parse(["--launch", "--model", target_dir, "--drafter", drafter_dir, "--dtype", "float32",
                   "--kv-cache-bytes", str(4 << 20), "--max-model-len", "128", "--concurrency", "1,3",
