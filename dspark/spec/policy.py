@@ -30,6 +30,8 @@ from dspark.spec.sts import STSCalibration, host_survival
 
 logger = logging.getLogger(__name__)
 
+MAX_BACKOFF = 16          # trials at least every 16 evidence half-lives, however many failed
+
 
 @dataclass
 class Candidate:
@@ -54,6 +56,7 @@ class _RequestState:
     drafted_at: int = 0                             # its context length then (its held rows start there)
     history: deque = field(default_factory=deque)   # numpy [γ] calibrated survivals of recent rounds
     priced: np.ndarray | None = None                # [γ] own survival the last drafted round was priced at
+    trial: np.ndarray | None = None                 # [γ] what its pending trial round was expected to accept
 
 
 class AcceptanceModel:
@@ -122,6 +125,8 @@ class SpecPolicy:
                              f"max_kept >= 0, got {lag}, {half_life}, {evidence_half_life} and {max_kept}")
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
         self.half_life = half_life
+        self.evidence_half_life = evidence_half_life
+        self.backoff = 1                 # the evidence half-life's multiple: doubles per failed trial
         self.fade = 0.5 ** (1.0 / evidence_half_life)
         self.temperatures = np.asarray(sts.temperatures if sts else [1.0] * gamma, dtype=np.float64)
         self.offsets = np.asarray(sts.offset_list() if sts else [0.0] * gamma, dtype=np.float64)
@@ -140,7 +145,9 @@ class SpecPolicy:
         request's price for a later round."""
         state = self._state(request_id)
         self.acceptance.observe(state.priced, verified, accepted)
-        state.priced = None
+        if state.trial is not None:
+            self._trial_outcome(accepted >= state.trial[:verified].sum())
+        state.priced = state.trial = None
         state.history.append(self.survival_of(confidence_logits))
         while len(state.history) > self.lag:
             state.history.popleft()
@@ -175,7 +182,7 @@ class SpecPolicy:
         states = [self._state(c.request_id) for c in candidates]
         weight, survival = self._prices(candidates, states)
         held = self._held_rows(candidates, states)                                      # [R]
-        _one_exploration(candidates, weight, held, survival)
+        trial = _one_exploration(candidates, weight, held, survival, step.joining_tokens > 0)
         held_ms = self.table.held_row_ms * held                                         # [R]
         rounds_left = np.array([max(1, c.remaining) for c in candidates]) / (1.0 + survival.sum(1))
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
@@ -184,6 +191,8 @@ class SpecPolicy:
         plan.predicted_accepted = expected_accepted(survival, plan)
         plan.held_ms = float(held_ms[plan.drafted].sum())
         self._drafted(candidates, states, plan.drafted)
+        if trial is not None and plan.drafted[trial]:
+            states[trial].trial = survival[trial]
         self._steady.after(self.steps, candidates, plan, self.max_kept)
         return plan
 
@@ -193,6 +202,13 @@ class SpecPolicy:
             if d:
                 state.last_drafted, state.drafted_at = self.steps, c.context_len
             state.priced = state.history[0] if d and state.history else None
+
+    def _trial_outcome(self, paid: bool) -> None:
+        """A trial that accepted less than it was priced at doubles the evidence half-life (up to
+        `MAX_BACKOFF` times): where drafting keeps not paying, trials grow rare instead of
+        costing a drafting step every few dozen. One that accepted its price resets it."""
+        self.backoff = 1 if paid else min(MAX_BACKOFF, 2 * self.backoff)
+        self.fade = 0.5 ** (1.0 / (self.evidence_half_life * self.backoff))
 
     def keep_plans(self, steps: int) -> None:
         """Keep plans at either end for up to `steps` steps from now on (0: price every step)."""
@@ -332,18 +348,21 @@ class _Steady:
 
 
 def _one_exploration(candidates: list[Candidate], weight: np.ndarray, held: np.ndarray,
-                     survival: np.ndarray) -> None:
+                     survival: np.ndarray, prefill: bool) -> int | None:
     """At most one request without fresh evidence of its own (never drafted, or not within a
-    half-life) may draft in a step: the one priced highest, then the one with the fewest held
-    context rows (its first draft appends them all). Trying every such request at once under
-    load cost a step several times a plain one (the held rows of all of them appended) to
-    learn what one round teaches the population: after one bad round the next plan knows."""
+    half-life) may draft in a step, and none in a step a prefill joins: the one priced highest,
+    then the one with the fewest held context rows (its first draft appends them all). Trying
+    every such request at once under load cost a step several times a plain one (the held rows
+    of all of them appended) to learn what one round teaches the population: after one bad
+    round the next plan knows. -> the index of the request tried, if any."""
     stale = [i for i in range(len(candidates)) if weight[i] < 0.5]
-    if len(stale) < 2:
-        return
+    if not stale or prefill:
+        survival[stale] = 0.0
+        return None
     price = survival.sum(1)
     tried = min(stale, key=lambda i: (-price[i], held[i]))
     survival[[i for i in stale if i != tried]] = 0.0
+    return tried
 
 
 def expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:

@@ -93,6 +93,45 @@ def test_bad_early_rounds_do_not_stop_drafting_for_good():
     assert waited > 10
 
 
+def test_trials_that_keep_failing_grow_rare_and_one_that_pays_resets_them():
+    """A drafter that never delivers: each trial accepts nothing of what it was priced at, so
+    the wait for the next one doubles; a trial that accepts its price brings back the base.
+    (Plans priced every step: a kept plan drafts without a trial.)"""
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, evidence_half_life=16.0, max_kept=0)
+    step = StepContext(other_tokens=1, num_sampling=1)
+    for _ in range(40):
+        policy.acceptance.observe(None, verified=2, accepted=0)
+
+    def wait_for_trial(request_id: str) -> int:
+        waited = 0
+        while not policy.plan([Candidate(request_id, 2)], step).drafted[0]:
+            waited += 1
+            assert waited < 5000
+        return waited
+
+    waits = []
+    for i in range(4):
+        waits.append(wait_for_trial(f"r{i}"))
+        policy.record(f"r{i}", [-30.0, -30.0], verified=2, accepted=0)
+        policy.forget(f"r{i}")
+    assert policy.backoff == 16
+    assert all(later > 1.5 * earlier for earlier, later in zip(waits[1:], waits[2:]))
+    wait_for_trial("good")
+    policy.record("good", [-30.0, -30.0], verified=2, accepted=2)
+    assert policy.backoff == 1 and policy.fade == pytest.approx(0.5 ** (1 / 16))
+
+
+def test_no_trial_rides_on_a_prefill():
+    """A request without evidence of its own may try drafting in a decode step, not in one a
+    prefill joins (that step is priced by its slope, but costs the batch a long step)."""
+    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, min_gain=0.0, max_kept=0)
+    for _ in range(50):
+        policy.acceptance.observe(None, verified=2, accepted=2)
+    joined = policy.plan([Candidate("new", 2)], StepContext(other_tokens=1, num_sampling=1, joining_tokens=8))
+    assert not any(joined.drafted)
+    assert policy.plan([Candidate("new", 2)], StepContext(other_tokens=1, num_sampling=1)).drafted == [True]
+
+
 def test_requests_are_forgotten_and_a_plan_reports_what_it_expects():
     policy = SpecPolicy(TABLE, None, gamma=2, lag=1, min_gain=0.0)
     sure = [logit(0.99), logit(0.99)]
