@@ -130,9 +130,11 @@ def run_sweep_bench(args) -> dict:
         spec_policy = engines["spec"].engine.policy
         arm_stats = {name: SpecStats() for name in SYSTEMS[1:]}
         kept_before = spec_policy.kept_plans
-        for _ in range(args.repetitions):
+        for index in range(args.repetitions):
             for name in SYSTEMS:                   # interleaved: drift hits every system alike
                 runs[name].append(_run_arm(engines, name, prompts, params, c, arm_stats))
+                print(f"concurrency {c}, round {index + 1}/{args.repetitions}, {name}: "
+                      f"{runs[name][-1]:.1f} tok/s", flush=True)
         for name in SYSTEMS:
             medians[name].append(statistics.median(runs[name]))
         bounds.append(medians["plain"][-1] * best_plan_gain(spec_policy.table, arm_stats["verify-all"], c))

@@ -56,7 +56,7 @@ class _RequestState:
     drafted_at: int = 0                             # its context length then (its held rows start there)
     history: deque = field(default_factory=deque)   # numpy [γ] calibrated survivals of recent rounds
     priced: np.ndarray | None = None                # [γ] own survival the last drafted round was priced at
-    trial: np.ndarray | None = None                 # [γ] what its pending trial round was expected to accept
+    trial: int = 0                                  # 1: a trial round runs; 2: recorded, the next plan judges it
 
 
 class AcceptanceModel:
@@ -145,9 +145,8 @@ class SpecPolicy:
         request's price for a later round."""
         state = self._state(request_id)
         self.acceptance.observe(state.priced, verified, accepted)
-        if state.trial is not None:
-            self._trial_outcome(accepted >= state.trial[:verified].sum())
-        state.priced = state.trial = None
+        state.priced = None
+        state.trial = 2 if state.trial else 0
         state.history.append(self.survival_of(confidence_logits))
         while len(state.history) > self.lag:
             state.history.popleft()
@@ -174,15 +173,16 @@ class SpecPolicy:
         kept = self._steady.plan(self.steps, candidates, step, self.gamma)
         if kept is not None:
             self.kept_plans += 1
+            states = [self._state(c.request_id) for c in candidates]
+            self._judge_trials(states, kept.drafted)
             if kept.budget:
-                states = [self._state(c.request_id) for c in candidates]
                 self._drafted(candidates, states, [True] * len(candidates))
             return kept
         self._check_size(len(candidates), step)
         states = [self._state(c.request_id) for c in candidates]
         weight, survival = self._prices(candidates, states)
         held = self._held_rows(candidates, states)                                      # [R]
-        trial = _one_exploration(candidates, weight, held, survival, step.joining_tokens > 0)
+        _one_exploration(candidates, weight, held, survival, step.joining_tokens > 0)
         held_ms = self.table.held_row_ms * held                                         # [R]
         rounds_left = np.array([max(1, c.remaining) for c in candidates]) / (1.0 + survival.sum(1))
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
@@ -190,9 +190,10 @@ class SpecPolicy:
                          draft_extra=held_ms / np.maximum(rounds_left, 1.0))
         plan.predicted_accepted = expected_accepted(survival, plan)
         plan.held_ms = float(held_ms[plan.drafted].sum())
+        self._judge_trials(states, plan.drafted)
+        for state, d in zip(states, plan.drafted):
+            state.trial = 1 if d and state.last_drafted != self.steps - 1 else state.trial
         self._drafted(candidates, states, plan.drafted)
-        if trial is not None and plan.drafted[trial]:
-            states[trial].trial = survival[trial]
         self._steady.after(self.steps, candidates, plan, self.max_kept)
         return plan
 
@@ -203,12 +204,17 @@ class SpecPolicy:
                 state.last_drafted, state.drafted_at = self.steps, c.context_len
             state.priced = state.history[0] if d and state.history else None
 
-    def _trial_outcome(self, paid: bool) -> None:
-        """A trial that accepted less than it was priced at doubles the evidence half-life (up to
-        `MAX_BACKOFF` times): where drafting keeps not paying, trials grow rare instead of
-        costing a drafting step every few dozen. One that accepted its price resets it."""
-        self.backoff = 1 if paid else min(MAX_BACKOFF, 2 * self.backoff)
-        self.fade = 0.5 ** (1.0 / (self.evidence_half_life * self.backoff))
+    def _judge_trials(self, states: list[_RequestState], drafted: list[bool]) -> None:
+        """A trial is a request's first drafted round after a step without one; it pays when
+        the next plan drafts the request again, on the evidence of that round. One that does
+        not doubles the evidence half-life (up to `MAX_BACKOFF` times): where drafting keeps
+        not paying, trials grow rare instead of costing a drafting step every few dozen. One
+        that pays resets it."""
+        for state, d in zip(states, drafted):
+            if state.trial == 2:
+                self.backoff = 1 if d else min(MAX_BACKOFF, 2 * self.backoff)
+                self.fade = 0.5 ** (1.0 / (self.evidence_half_life * self.backoff))
+                state.trial = 0
 
     def keep_plans(self, steps: int) -> None:
         """Keep plans at either end for up to `steps` steps from now on (0: price every step)."""
@@ -348,21 +354,20 @@ class _Steady:
 
 
 def _one_exploration(candidates: list[Candidate], weight: np.ndarray, held: np.ndarray,
-                     survival: np.ndarray, prefill: bool) -> int | None:
+                     survival: np.ndarray, prefill: bool) -> None:
     """At most one request without fresh evidence of its own (never drafted, or not within a
     half-life) may draft in a step, and none in a step a prefill joins: the one priced highest,
     then the one with the fewest held context rows (its first draft appends them all). Trying
     every such request at once under load cost a step several times a plain one (the held rows
     of all of them appended) to learn what one round teaches the population: after one bad
-    round the next plan knows. -> the index of the request tried, if any."""
+    round the next plan knows."""
     stale = [i for i in range(len(candidates)) if weight[i] < 0.5]
     if not stale or prefill:
         survival[stale] = 0.0
-        return None
+        return
     price = survival.sum(1)
     tried = min(stale, key=lambda i: (-price[i], held[i]))
     survival[[i for i in stale if i != tried]] = 0.0
-    return tried
 
 
 def expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:

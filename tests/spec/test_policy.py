@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dspark.spec.planner import CostTable, StepPlan
+from dspark.spec import policy as policy_module
 from dspark.spec.policy import AcceptanceModel, Candidate, SpecPolicy, StepContext
 
 # batch 1 on a cheap drafter: drafting pays when the first draft is accepted over ~25% of rounds
@@ -93,31 +94,34 @@ def test_bad_early_rounds_do_not_stop_drafting_for_good():
     assert waited > 10
 
 
-def test_trials_that_keep_failing_grow_rare_and_one_that_pays_resets_them():
-    """A drafter that never delivers: each trial accepts nothing of what it was priced at, so
-    the wait for the next one doubles; a trial that accepts its price brings back the base.
-    (Plans priced every step: a kept plan drafts without a trial.)"""
-    policy = SpecPolicy(TABLE, None, gamma=2, lag=1, evidence_half_life=16.0, max_kept=0)
+def trials_of_a_hopeless_drafter(policy: SpecPolicy, steps: int) -> int:
+    """Rounds a lone request drafts over `steps` priced steps when every round accepts nothing."""
+    step, drafted = StepContext(other_tokens=1, num_sampling=1), 0
+    for _ in range(steps):
+        if policy.plan([Candidate("a", 2)], step).drafted[0]:
+            drafted += 1
+            policy.record("a", [-30.0, -30.0], verified=2, accepted=0)
+    return drafted
+
+
+def test_trials_that_keep_failing_grow_rare_and_one_that_pays_resets_them(monkeypatch):
+    """A drafter that never delivers: after each trial the next plan does not draft the request
+    again, so the evidence half-life doubles, up to 16 times, and trials grow rare (without the
+    backoff, every few steps as the request's own evidence fades). A trial after which the
+    request goes on drafting brings back the base. (Plans priced every step: a kept plan drafts
+    without a trial.)"""
+    make = lambda: SpecPolicy(TABLE, None, gamma=2, lag=1, evidence_half_life=16.0, max_kept=0)  # noqa: E731
+    policy = make()
+    backed_off = trials_of_a_hopeless_drafter(policy, 3000)
+    assert policy.backoff == 16 and policy.fade == pytest.approx(0.5 ** (1 / 256))
+    monkeypatch.setattr(policy_module, "MAX_BACKOFF", 1)
+    assert backed_off < 0.25 * trials_of_a_hopeless_drafter(make(), 3000)
+    monkeypatch.undo()
     step = StepContext(other_tokens=1, num_sampling=1)
-    for _ in range(40):
-        policy.acceptance.observe(None, verified=2, accepted=0)
-
-    def wait_for_trial(request_id: str) -> int:
-        waited = 0
-        while not policy.plan([Candidate(request_id, 2)], step).drafted[0]:
-            waited += 1
-            assert waited < 5000
-        return waited
-
-    waits = []
-    for i in range(4):
-        waits.append(wait_for_trial(f"r{i}"))
-        policy.record(f"r{i}", [-30.0, -30.0], verified=2, accepted=0)
-        policy.forget(f"r{i}")
-    assert policy.backoff == 16
-    assert all(later > 1.5 * earlier for earlier, later in zip(waits[1:], waits[2:]))
-    wait_for_trial("good")
-    policy.record("good", [-30.0, -30.0], verified=2, accepted=2)
+    while not policy.plan([Candidate("a", 2)], step).drafted[0]:
+        pass
+    policy.record("a", [logit(0.99), logit(0.99)], verified=2, accepted=2)
+    assert policy.plan([Candidate("a", 2)], step).drafted == [True]
     assert policy.backoff == 1 and policy.fade == pytest.approx(0.5 ** (1 / 16))
 
 
