@@ -47,6 +47,14 @@ class ServerProcess:
         measures its cost model, which takes minutes on a small CPU (the child shows a progress bar)."""
         logger.info("starting %s", " ".join(self.argv))
         self.process = subprocess.Popen(self.argv)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:                  # Ctrl-C or a timeout: no server outlives its start
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not self._healthy():
             code = self.process.poll()
@@ -54,10 +62,8 @@ class ServerProcess:
                 raise RuntimeError(f"the server exited with status {code} before it was ready "
                                    f"(see its log above): {' '.join(self.argv)}")
             if time.monotonic() > deadline:
-                self.stop()
                 raise RuntimeError(f"the server was not ready after {timeout:.0f} s: {' '.join(self.argv)}")
             time.sleep(0.25)
-        return self
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGINT, as a user's Ctrl-C: the server drains and exits; killed if it does not."""
