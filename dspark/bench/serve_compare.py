@@ -1,14 +1,17 @@
 """`dspark bench --mode serve --compare-no-drafter`: one engine served with its drafter and without.
 
 Both servers start from the same engine arguments, each in a process of its own as a user's
-would: "default" as given, "plain" with --no-drafter. At each concurrency level the two take
-turns round by round, in the order default, plain, plain, default, default, plain, ..., so that
-drift in the machine's speed (clocks, other load, a neighbour's jobs) and whatever a round
-inherits from the one before it fall on both alike. Every round sends the same requests, so
-rounds differ only by noise; each system's throughput at a level is the median over its rounds,
-and default/plain is the ratio of those medians. Only one server is busy at a time: the idle
-engine sleeps until its next request. With chat prompts (the default here) the requests go
-through /v1/chat/completions, as a chat client's would.
+would: "default" as given, "plain" with --no-drafter. The first half of the rounds runs with the
+default server started first, the second half with both restarted, plain first: on a small CPU
+the server started first ran a few percent slower for as long as it lived, whichever it was
+(docs/measurements.md). At each concurrency level the two take turns round by round, in the
+order default, plain, plain, default, ..., so that drift in the machine's speed (clocks, other
+load, a neighbour's jobs) and whatever a round inherits from the one before it fall on both
+alike. Every round sends the same requests, so rounds differ only by noise; each system's
+throughput at a level is the median over its rounds, and default/plain is the ratio of those
+medians. Only one server is busy at a time: the idle engine sleeps until its next request.
+With chat prompts (the default here) the requests go through /v1/chat/completions, as a chat
+client's would.
 """
 
 from __future__ import annotations
@@ -65,21 +68,31 @@ class LevelRounds:
 def run_compare_bench(args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
     _check(args)
     chat = args.chat is not False
-    servers: dict[str, ServerProcess] = {}
-    try:
-        for system in SYSTEMS:
-            servers[system] = _start(args, system)
-        endpoints = {system: probe(s.base_url, args.api_key, None) for system, s in servers.items()}
-        count = max(max(levels), args.requests_per_round) * 2 + args.warmup
-        workload = make_workload(args, endpoints["default"], count, chat)
-        for system in SYSTEMS:
-            print(f"warming up the {system} server ({args.warmup} requests)", flush=True)
-            warm_up(endpoints[system], workload, args.warmup)
-        rows = [_run_level(endpoints, workload, c, args).row() for c in levels]
-    finally:
-        for server in servers.values():
-            server.stop()
-    return _report(args, endpoints["default"], workload, rows)
+    rounds = {c: LevelRounds(c) for c in levels}
+    first_half = -(-args.repetitions // 2)
+    endpoint = workload = None
+    for launch_order, repetitions in ((SYSTEMS, range(first_half)),
+                                      (SYSTEMS[::-1], range(first_half, args.repetitions))):
+        if not repetitions:
+            continue
+        servers: dict[str, ServerProcess] = {}
+        try:
+            for system in launch_order:
+                servers[system] = _start(args, system)
+            endpoints = {system: probe(s.base_url, args.api_key, None) for system, s in servers.items()}
+            endpoint = endpoints["default"]
+            if workload is None:
+                count = max(max(levels), args.requests_per_round) * 2 + args.warmup
+                workload = make_workload(args, endpoint, count, chat)
+            for system in launch_order:
+                print(f"warming up the {system} server ({args.warmup} requests)", flush=True)
+                warm_up(endpoints[system], workload, args.warmup)
+            for c in levels:
+                _run_rounds(endpoints, workload, rounds[c], repetitions, args)
+        finally:
+            for server in servers.values():
+                server.stop()
+    return _report(args, endpoint, workload, [rounds[c].row() for c in levels])
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -102,18 +115,17 @@ def _start(args: argparse.Namespace, system: str) -> ServerProcess:
     return server
 
 
-def _run_level(endpoints: dict[str, Endpoint], workload: Workload, concurrency: int,
-               args: argparse.Namespace) -> LevelRounds:
+def _run_rounds(endpoints: dict[str, Endpoint], workload: Workload, level: LevelRounds,
+                repetitions: range, args: argparse.Namespace) -> None:
+    concurrency = level.concurrency
     per_client = -(-max(concurrency, args.requests_per_round) // concurrency)
-    level = LevelRounds(concurrency)
-    for index in range(args.repetitions):
+    for index in repetitions:
         for system in SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]:
             result = run_level(endpoints[system], workload, concurrency, per_client)
             level.rounds[system].append(result)
             print(f"concurrency {concurrency}, round {index + 1}/{args.repetitions}, {system}: "
                   f"{result.output_tokens_per_s:.2f} tok/s ({len(result.ok)}/{len(result.results)} "
                   f"requests ok, {result.seconds:.1f} s)", flush=True)
-    return level
 
 
 def _report(args: argparse.Namespace, endpoint: Endpoint, workload: Workload,

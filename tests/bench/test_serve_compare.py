@@ -67,11 +67,13 @@ def test_compare_alternates_the_two_servers_over_chat(pair, capsys, monkeypatch)
             assert row[system]["output_tokens"] == 2 * 2 * 10      # ignore_eos: every request runs out
     measured = [body for path, body in sent if body["max_tokens"] == 10]
     assert {path for path, _ in sent} == {"chat/completions"}
-    assert len(measured) == 2 * 2 * 2 * 2 and len(sent) == len(measured) + 2       # + one warm-up each
+    assert len(measured) == 2 * 2 * 2 * 2 and len(sent) == len(measured) + 4       # a warm-up per start
     assert all(body["ignore_eos"] and body["messages"][0]["content"] in CHAT for body in measured)
     rounds = [re.match(r"concurrency (\d), round (\d)/2, (\w+):", line) for line in lines]
-    order = [("1", "default"), ("1", "plain"), ("2", "plain"), ("2", "default")]      # round, system
-    assert [m.groups() for m in rounds if m] == [(c, *o) for c in "12" for o in order]
+    first, second = [("1", "default"), ("1", "plain")], [("2", "plain"), ("2", "default")]   # round, system
+    assert [m.groups() for m in rounds if m] == [(c, *o) for half in (first, second) for c in "12" for o in half]
+    launched = [m.group(1) for m in (re.match(r"launching the (\w+) server", line) for line in lines) if m]
+    assert launched == ["default", "plain", "plain", "default"]
 
 
 def test_chat_request_counts_tokens_from_usage(pair):
