@@ -19,11 +19,12 @@ import urllib.error
 import urllib.request
 
 from dspark.config_flags import engine_argv
+from dspark.server.launch import LoopbackServer
 
 logger = logging.getLogger(__name__)
 
 
-class ServerProcess:
+class ServerProcess(LoopbackServer):
     """`python -m dspark.cli serve` with the engine flags of `args` on a free loopback port; its
     log goes to this process's stderr, so a slow start says what it is doing."""
 
@@ -33,14 +34,6 @@ class ServerProcess:
         self.argv = [sys.executable, "-m", "dspark.cli", "serve", *engine_argv(args), "--host", host,
                      "--port", str(self.port), "--max-queue", str(max_queue), "--uvicorn-log-level", "warning"]
         self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
 
     def start(self, timeout: float = 1800.0) -> "ServerProcess":
         """Start the server and wait until /health answers; the first start of a combination

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (needs the `server` extra: fastapi, uvicorn, prometheus-client).
 
 Import direction: server -> engine.  `build_app` is the FastAPI factory; `add_serve_args` and
-`run_serve` back `dspark serve`; `ServerThread` runs a server in the background (tests, benchmarks).
+`run_serve` back `dspark serve`; `ServerThread` runs a server in the background (tests).
 Names resolve lazily so that building the command line parser imports neither FastAPI nor torch.
 """
 

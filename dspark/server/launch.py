@@ -118,7 +118,21 @@ def _exit_server(holder: dict) -> None:
         server.should_exit = True
 
 
-class ServerThread:
+class LoopbackServer:
+    """A server on `host`:`port` and the URLs clients use."""
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+class ServerThread(LoopbackServer):
     """uvicorn serving `app` from a background thread on a loopback port (port 0: any free one)."""
 
     def __init__(self, app: "FastAPI", host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
@@ -140,14 +154,6 @@ class ServerThread:
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         logger.info("serving on %s", self.url)
         return self
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
 
     def stop(self, timeout: float = 30.0) -> None:
         self.server.should_exit = True
