@@ -108,7 +108,6 @@ def _add_flag(group: Any, flag: EngineFlag) -> None:
                            help=meta["none_help"])
 
 
-
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags that reproduce `args`' engine options in another `dspark` process (the
     inverse of `engine_config_from_args`): the fields that differ from their defaults."""

@@ -12,9 +12,9 @@ Every price is made from earlier steps only, so a plan cannot depend on the draf
 and the A/B runs that keep it: docs/speculation.md, "The speculation policy": the regression
 of realised acceptance on the lagged price (selection does not bias it, where ratio corrections
 did), the fade of a request's own evidence and of the population's toward an optimistic prior
-(so a few bad early rounds cannot stop drafting for good; it also replaces per-request probes),
-the drafting cost learned online against plain steps, and plans kept at the two ends of the
-load.
+(so a few bad early rounds cannot stop drafting for good; it also replaces per-request probes)
+with trials that back off where they keep failing, the drafting cost learned online against
+plain steps, and plans kept at the two ends of the load.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class _RequestState:
     drafted_at: int = 0                             # its context length then (its held rows start there)
     history: deque = field(default_factory=deque)   # numpy [γ] calibrated survivals of recent rounds
     priced: np.ndarray | None = None                # [γ] own survival the last drafted round was priced at
-    trial: int = 0                                  # 1: a trial round runs; 2: recorded, the next plan judges it
+    trial: bool = False                             # its drafted round is a trial (see _judge_trials)
 
 
 class AcceptanceModel:
@@ -127,6 +127,7 @@ class SpecPolicy:
         self.half_life = half_life
         self.evidence_half_life = evidence_half_life
         self.backoff = 1                 # the evidence half-life's multiple: doubles per failed trial
+        self.awaiting: set[str] = set()  # requests whose trial round was recorded: the next plan judges
         self.fade = 0.5 ** (1.0 / evidence_half_life)
         self.temperatures = np.asarray(sts.temperatures if sts else [1.0] * gamma, dtype=np.float64)
         self.offsets = np.asarray(sts.offset_list() if sts else [0.0] * gamma, dtype=np.float64)
@@ -146,7 +147,9 @@ class SpecPolicy:
         state = self._state(request_id)
         self.acceptance.observe(state.priced, verified, accepted)
         state.priced = None
-        state.trial = 2 if state.trial else 0
+        if state.trial:
+            self.awaiting.add(request_id)
+            state.trial = False
         state.history.append(self.survival_of(confidence_logits))
         while len(state.history) > self.lag:
             state.history.popleft()
@@ -173,9 +176,9 @@ class SpecPolicy:
         kept = self._steady.plan(self.steps, candidates, step, self.gamma)
         if kept is not None:
             self.kept_plans += 1
-            states = [self._state(c.request_id) for c in candidates]
-            self._judge_trials(states, kept.drafted)
+            self._judge_trials(candidates, kept.drafted)
             if kept.budget:
+                states = [self._state(c.request_id) for c in candidates]
                 self._drafted(candidates, states, [True] * len(candidates))
             return kept
         self._check_size(len(candidates), step)
@@ -190,9 +193,9 @@ class SpecPolicy:
                          draft_extra=held_ms / np.maximum(rounds_left, 1.0))
         plan.predicted_accepted = expected_accepted(survival, plan)
         plan.held_ms = float(held_ms[plan.drafted].sum())
-        self._judge_trials(states, plan.drafted)
+        self._judge_trials(candidates, plan.drafted)
         for state, d in zip(states, plan.drafted):
-            state.trial = 1 if d and state.last_drafted != self.steps - 1 else state.trial
+            state.trial = d and state.last_drafted != self.steps - 1
         self._drafted(candidates, states, plan.drafted)
         self._steady.after(self.steps, candidates, plan, self.max_kept)
         return plan
@@ -204,17 +207,19 @@ class SpecPolicy:
                 state.last_drafted, state.drafted_at = self.steps, c.context_len
             state.priced = state.history[0] if d and state.history else None
 
-    def _judge_trials(self, states: list[_RequestState], drafted: list[bool]) -> None:
+    def _judge_trials(self, candidates: list[Candidate], drafted: list[bool]) -> None:
         """A trial is a request's first drafted round after a step without one; it pays when
         the next plan drafts the request again, on the evidence of that round. One that does
         not doubles the evidence half-life (up to `MAX_BACKOFF` times): where drafting keeps
         not paying, trials grow rare instead of costing a drafting step every few dozen. One
         that pays resets it."""
-        for state, d in zip(states, drafted):
-            if state.trial == 2:
+        if not self.awaiting:
+            return
+        for c, d in zip(candidates, drafted):
+            if c.request_id in self.awaiting:
                 self.backoff = 1 if d else min(MAX_BACKOFF, 2 * self.backoff)
-                self.fade = 0.5 ** (1.0 / (self.evidence_half_life * self.backoff))
-                state.trial = 0
+        self.fade = 0.5 ** (1.0 / (self.evidence_half_life * self.backoff))
+        self.awaiting.clear()                  # a request that left before its verdict has none
 
     def keep_plans(self, steps: int) -> None:
         """Keep plans at either end for up to `steps` steps from now on (0: price every step)."""
