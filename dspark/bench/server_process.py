@@ -77,12 +77,6 @@ class ServerProcess(LoopbackServer):
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
-    def __enter__(self) -> "ServerProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 def _free_port(host: str) -> int:
     """A port no one listens on now (the server binds it a moment later)."""
