@@ -78,6 +78,17 @@ def _engines(args, max_seqs: int) -> dict:
     return {"plain": plain, "spec": spec}
 
 
+def round_order(index: int) -> tuple[str, ...]:
+    """Round `index`'s order of the systems: a rotation of them, then its reverse, then the next
+    rotation, so that no system always runs right after the heaviest one (verify-all at high
+    load) or in the same place of a round's drift. Rounds 0 and 1 already put the default and
+    plain decoding each once right after verify-all; every 2 x len(SYSTEMS) rounds put each
+    system in each place equally often."""
+    k = index // 2 % len(SYSTEMS)
+    order = SYSTEMS[k:] + SYSTEMS[:k]
+    return order[::-1] if index % 2 else order
+
+
 def _run_arm(engines: dict, name: str, prompts, params, c: int, stats: dict) -> float:
     """One closed loop of one system -> tokens/s; the drafter engine's counters of it go to
     `stats[name]`."""
@@ -131,7 +142,7 @@ def run_sweep_bench(args) -> dict:
         arm_stats = {name: SpecStats() for name in SYSTEMS[1:]}
         kept_before = spec_policy.kept_plans
         for index in range(args.repetitions):
-            for name in SYSTEMS:                   # interleaved: drift hits every system alike
+            for name in round_order(index):
                 runs[name].append(_run_arm(engines, name, prompts, params, c, arm_stats))
                 print(f"concurrency {c}, round {index + 1}/{args.repetitions}, {name}: "
                       f"{runs[name][-1]:.1f} tok/s", flush=True)

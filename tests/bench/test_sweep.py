@@ -5,7 +5,7 @@ import types
 
 from dspark import LLM, SamplingParams
 from dspark.bench.closed_loop import closed_loop
-from dspark.bench.sweep import SYSTEMS, best_plan_gain, fixed_length, run_sweep_bench
+from dspark.bench.sweep import SYSTEMS, best_plan_gain, fixed_length, round_order, run_sweep_bench
 from dspark.outputs import SpecStats
 from dspark.spec.planner import CostTable
 from tiny import save_random_drafter, save_tiny
@@ -16,6 +16,21 @@ def test_fixed_length_keeps_each_prompt_tail():
     out = fixed_length(pool, 4, 4)
     assert all(len(p) == 4 for p in out)
     assert out[0] == [5, 1, 2, 3] and out[2] == [7, 8, 9, 10] and out[3][-3:] == [1, 2, 3]
+
+
+def test_rounds_rotate_so_each_system_takes_each_place():
+    """Every 2 x len(SYSTEMS) rounds each system runs equally often in every place and right
+    after every other system; the first two rounds already put both the default and plain
+    decoding right after verify-all (the sweep's order had always run the default after it)."""
+    rounds = [round_order(i) for i in range(2 * len(SYSTEMS))]
+    assert all(sorted(r) == sorted(SYSTEMS) for r in rounds)
+    for place in range(len(SYSTEMS)):
+        assert sorted(r[place] for r in rounds) == sorted(SYSTEMS * 2)
+    follows = [(r[i - 1], r[i]) for r in rounds for i in range(1, len(r))]
+    assert {pair: follows.count(pair) for pair in follows} == \
+        {(a, b): 2 for a in SYSTEMS for b in SYSTEMS if a != b}
+    first_two = [(r[i - 1], r[i]) for r in rounds[:2] for i in range(1, len(r))]
+    assert ("verify-all", "default") in first_two and ("verify-all", "plain") in first_two
 
 
 def test_sweep_reports_every_system_at_every_level(tmp_path, capsys):
