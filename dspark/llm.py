@@ -62,17 +62,28 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids: list[str] = []
+        try:
+            ids.extend(self.engine.add_request(p, sp) for p, sp in zip(prompts, plist))
+            done = self._run(sum(sp.n for sp in plist), use_tqdm)
+        except BaseException:         # a bad prompt, a refused step, Ctrl-C: leave nothing queued
+            for i in ids:
+                self.engine.abort(i)
+            raise
         children = [request_ids(i, sp.n) for i, sp in zip(ids, plist)]      # n > 1: one per completion
+        return [done[i] if sp.n == 1 else merge_outputs(i, [done[c] for c in cs])
+                for i, sp, cs in zip(ids, plist, children)]
+
+    def _run(self, completions: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until the engine is idle -> the finished outputs by request id."""
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=sum(map(len, children)), desc="generate", disable=not use_tqdm) as bar:
+        with tqdm(total=completions, desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
-        return [done[i] if sp.n == 1 else merge_outputs(i, [done[c] for c in cs])
-                for i, sp, cs in zip(ids, plist, children)]
+        return done
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         if self.tokenizer is None:

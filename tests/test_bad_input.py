@@ -77,6 +77,18 @@ def test_prompt_longer_than_context_leaves_engine_running(model_dir):
     assert [o.request_id for o in done] == [rid] and len(done[0].token_ids) == 5
 
 
+def test_generate_with_one_bad_prompt_leaves_none_of_its_prompts_queued(model_dir):
+    """A batch whose third prompt is refused raises, and the two prompts added before it are
+    aborted rather than left to decode, unseen, inside the next call."""
+    llm = LLM(model_dir, dtype="float32", max_model_len=32, graph="eager")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with pytest.raises(ValueError, match="prompt has 40 tokens"):
+        llm.generate([[5] * 10, [6] * 10, [5] * 40], params)
+    assert not llm.engine.has_unfinished
+    outs = llm.generate([[7] * 10], params)
+    assert len(outs) == 1 and len(outs[0].token_ids) == 5
+
+
 def test_max_model_len_ends_generation(model_dir):
     llm = LLM(model_dir, dtype="float32", max_model_len=16, graph="eager")
     out = llm.generate([[5] * 10], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]

@@ -245,6 +245,7 @@ class Engine:
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step; an error in it fails only the request that causes it (isolation.py)."""
+        self.worker.runner.check_threads()        # before anything is scheduled: no request fails
         suspect = self.isolation.next_suspect(self.requests)
         prepared = self.prepare_step(only=suspect)
         if prepared is None:

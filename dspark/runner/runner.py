@@ -64,6 +64,19 @@ class Runner:
         self.draft_graphs: DraftGraphs | None = None      # built with the caches (`capture`)
         self.block_size: int | None = None                # the caches' (`capture`)
         self.dummy_steps = 0
+        self.threads = torch.get_num_threads()           # what compiled graphs are specialised to
+
+    def check_threads(self) -> None:
+        """Compiled graphs are specialised to torch's CPU thread count at capture: after a later
+        `torch.set_num_threads` the next step would recompile past its limit and fail every
+        request in it. Refused before a step is scheduled instead, naming the fix."""
+        now = torch.get_num_threads()
+        if now != self.threads and self.mode == "compile":
+            raise RuntimeError(
+                f"torch's CPU thread count changed from {self.threads} to {now} after the engine "
+                f"started, and its compiled graphs are specialised to {self.threads} threads: call "
+                f"torch.set_num_threads({self.threads}) again, or start the engine with "
+                f"num_threads={now}")
 
     @property
     def mode(self) -> str:

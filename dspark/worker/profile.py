@@ -220,7 +220,8 @@ def _verify_rows(measured: dict[tuple[int, int], float], counts: list[int], size
     """[N][T_max + 1] per request count: each token count at the next measured size (a step
     costs its bucket), a step smaller than its request count at that count's first size, one
     past the sizes timed for its count at its top size plus what one request's step adds from
-    there; made monotone in tokens and in requests."""
+    there (never less: under load a larger step of one request can time below a smaller one);
+    made monotone in tokens and in requests."""
     rows, above = [], [math.inf] * max_tokens
     for r in reversed(counts):
         top = _decode_top(r, gamma, sizes)
@@ -228,7 +229,7 @@ def _verify_rows(measured: dict[tuple[int, int], float], counts: list[int], size
         def cost(size: int) -> float:
             if size <= top:
                 return measured[(r, size)]
-            return measured[(r, top)] + measured[(1, size)] - measured[(1, top)]
+            return measured[(r, top)] + max(0.0, measured[(1, size)] - measured[(1, top)])
         row = [cost(min(m for m in sizes if m >= max(t, r))) for t in range(1, max_tokens + 1)]
         above = [min(a, b) for a, b in zip(monotone(row), above)]
         rows.append([0.0] + above)

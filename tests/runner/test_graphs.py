@@ -292,3 +292,28 @@ def test_a_failed_capture_is_a_startup_error_or_a_counted_fallback(tmp_path_fact
     assert llm.engine.worker.runner.graphs.stats.capture_fallbacks == 1
     assert "running it eagerly" in caplog.text
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]
+
+
+@pytest.mark.slow
+def test_a_changed_thread_count_is_refused_before_any_request_fails(tmp_path):
+    """Compiled graphs are specialised to the thread count they were captured at: a later
+    torch.set_num_threads is refused with a message naming it, before the step is scheduled, and
+    the same requests decode as before once the count is set back. Eager graphs do not care."""
+    target_dir = str(tmp_path / "t")
+    save_tiny(target_dir, "llama", tied=True, vocab=VOCAB, num_hidden_layers=2, seed=3)
+    prompts, params = workload(2)
+    threads = torch.get_num_threads()
+    llm = make_llm(target_dir, graph="compile", max_graph_tokens=8, num_threads=1)
+    try:
+        ref = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        torch.set_num_threads(2)
+        with pytest.raises(RuntimeError, match=r"thread count changed from 1 to 2 .* num_threads=2"):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.isolation.failed_requests == 0 and not llm.engine.has_unfinished
+        torch.set_num_threads(1)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+        eager = make_llm(target_dir, graph="eager", num_threads=1)
+        torch.set_num_threads(2)
+        assert [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == ref
+    finally:
+        torch.set_num_threads(threads)

@@ -5,13 +5,27 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.spec.planner import CostTable
-from dspark.worker.profile import ProfileConfig, monotone
+from dspark.worker.profile import ProfileConfig, _verify_rows, monotone
 from tiny import save_random_drafter, save_tiny
 
 
 def test_monotone_cuts_a_spike_down_to_the_sizes_above_it():
     assert monotone([3.0, 2.0, 4.0, 1.0, 5.0]) == [1.0, 1.0, 1.0, 1.0, 5.0]
     assert monotone([80.0, 8.0, 9.0, 12.0]) == [8.0, 8.0, 9.0, 12.0]
+
+
+def test_a_noisy_profile_still_prices_every_step_above_zero():
+    """Past the sizes timed for 4 requests, a step is priced from what one request's steps add:
+    under load the larger one-request step timed faster than the smaller, by more than the
+    whole 4-request step. That made an entry negative, the table invalid and the engine fail to
+    start; the addition is now never negative."""
+    sizes, counts, gamma = [1, 2, 4, 8, 16], [1, 4], 1
+    measured = {(1, 1): 5.0, (1, 2): 5.0, (1, 4): 20.0, (1, 8): 20.0, (1, 16): 9.0,
+                (4, 4): 6.0, (4, 8): 7.0}
+    rows = _verify_rows(measured, counts, sizes, 16, gamma)
+    assert all(c > 0 for row in rows for c in row[1:])
+    CostTable(fingerprint={}, verify_ms=rows, verify_requests=counts, draft_ms=[0.0, 1.0])
+    assert rows[1][16] == 7.0 and rows[1][8] == 7.0     # 7 + max(0, 9 - 20), not 7 - 11
 
 
 def test_profile_table_is_complete_monotone_and_fingerprinted(tmp_path):
