@@ -134,8 +134,8 @@ def train_config(args) -> TrainConfig:
     explicit["model"] = args.model
     if args.target_layer_ids:
         explicit["target_layer_ids"] = tuple(int(x) for x in args.target_layer_ids.split(","))
-    if args.init_from:
-        arch = [k for k in ARCH_FIELDS if k != "model" and explicit.get(k) is not None]
+    if args.init_from:              # the draft vocabulary is the run's own: the drafter seeds every row
+        arch = [k for k in ARCH_FIELDS if k not in ("model", "draft_vocab_size") and explicit.get(k) is not None]
         if arch:
             raise ValueError(f"--init-from takes the architecture from the drafter; drop the "
                              f"flags for {arch}")

@@ -211,6 +211,30 @@ def test_init_from_a_reduced_draft_vocabulary_restores_the_kept_rows(tiny_run, t
     assert not seeded[w2][dropped].any() and original[w2][dropped].any()
 
 
+def test_a_warm_start_can_train_in_a_reduced_draft_vocabulary(tiny_run, tmp_path):
+    """`--init-from` with `--draft-vocab`: the drafter's weights seed the run, which then trains
+    in the data's most frequent tokens (the cheaper steps), every other weight as exported.
+    Other architecture flags are still refused beside --init-from."""
+    import argparse
+    from dspark.train.cli import train_config
+    source = Trainer(config(tiny_run, "vocab_source", steps=1))
+    source.train(use_tqdm=False)
+    path = source.export(str(tmp_path / "exported"), torch.float32)
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    out = str(tiny_run.root / "vocab_warm")
+    args = parser.parse_args(["--out", out, "--init-from", path, "--draft-vocab", "32"])
+    assert train_config(args).draft_vocab_size == 32
+    with pytest.raises(ValueError, match=r"drop the flags for \['markov_rank'\]"):
+        train_config(parser.parse_args(["--out", out, "--init-from", path, "--markov-rank", "4"]))
+    warm = Trainer(config(tiny_run, "vocab_warm", init_from=path, draft_vocab_size=32))
+    assert warm.drafter.config.draft_vocab_size == 32 and warm.drafter.config.uses_draft_vocab
+    theirs, ours = params_of(source), params_of(warm)
+    assert torch.equal(theirs["fc.weight"], ours["fc.weight"])
+    out_, _, grad_norm = warm.train_step()
+    assert torch.isfinite(out_.total) and grad_norm > 0
+
+
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
 def test_every_markov_head_trains(tiny_run, head):
     trainer = Trainer(config(tiny_run, f"head_{head}", steps=2, markov_head_type=head))
