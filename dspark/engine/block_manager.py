@@ -22,10 +22,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

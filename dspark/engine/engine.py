@@ -150,8 +150,7 @@ class Engine:
     def verifying_all(self):
         """Every draft of every request verified inside, the policy left out of planning and
         learning, and back after: calibration needs whole blocks verified, and the sweep
-        measures verify-all on the engine it measures the policy on (two engines built alike
-        differ by several percent on a CPU)."""
+        compares verify-all with the policy on one engine."""
         policy = self.policy
         self.policy = self.scheduler.policy = None
         try:
@@ -306,7 +305,7 @@ class Engine:
         return result
 
     def _worker_batch(self, sched: SchedulerOutput) -> WorkerBatch:
-        chunks, params, keys, spec, request_ids, prompt_lp = [], [], [], [], [], []
+        chunks, params, keys, spec, prompt_lp = [], [], [], [], []
         for s in sched.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             if s.spec:      # the anchor, then ℓ rows the drafter fills on the device
@@ -325,9 +324,8 @@ class Engine:
                 params.append(seq.params)
                 keys.append(_noise_key(seq, start + (1 if s.spec else len(ids))))      # the position it samples
                 spec.append(s.spec)
-                request_ids.append(seq.request_id)
-        return WorkerBatch(chunks, params, keys, spec, request_ids=request_ids,
-                           released_blocks=self.block_manager.take_released(), prompt_logprobs=prompt_lp)
+        return WorkerBatch(chunks, params, keys, spec, released_blocks=self.block_manager.take_released(),
+                           prompt_logprobs=prompt_lp)
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs, now, k = [], time.perf_counter(), 0

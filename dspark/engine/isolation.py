@@ -1,15 +1,7 @@
-"""One request's fault fails that request alone, not every request that shared its step.
-
-A step is one forward over every scheduled request, so an error raised inside it (building the
-sampling tensors, the forward, sampling, acceptance) does not say which request caused it.
-Nothing of a step is committed before it returns, and the K/V it wrote lies beyond every
-request's committed length, so its requests can simply run again: one at a time, in the steps
-that follow. The request that fails alone is failed; the others continue with exactly the
-tokens they would have had (a seeded request's noise is a function of its seed and position,
-sampler.NoiseKey, so a retried step draws it again). A failure that no request reproduces alone
-is not retried a second time: the next failed step fails its requests, so a fault of the batch
-as a whole cannot loop.
-"""
+"""One request's fault fails that request alone: a failed step's requests run again one at a
+time, and the one that fails alone is failed. Why a rerun is exact, and why a fault no request
+reproduces alone is not retried twice: docs/serving.md, "One request's fault fails that request
+alone"."""
 
 from __future__ import annotations
 
@@ -28,10 +20,6 @@ class FailureIsolation:
         self.unexplained = False                 # the last isolation found no culprit
         self.isolations = 0                      # failed steps retried one request at a time
         self.failed_requests = 0                 # requests failed by an engine error
-
-    @property
-    def active(self) -> bool:
-        return bool(self.suspects)
 
     def begin(self, request_ids: list[str], error: BaseException) -> bool:
         """After a failed step of several requests: isolate them (True), or fail them all

@@ -65,10 +65,7 @@ class OutputProcessor:
         params = seq.params
         if seq.num_output_tokens < params.min_tokens:       # not yet a stop (as vLLM), only a length
             return self._check_length(seq)
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return "stop"
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.stop_reason = token
             return "stop"
         return self._check_length(seq)

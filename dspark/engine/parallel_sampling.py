@@ -1,35 +1,19 @@
 """Parallel sampling: the n completions of one prompt (`SamplingParams.n > 1`) prefill it once.
 
-Fan-out follows vLLM (vllm/v1/engine/parallel_sampling.py, `ParentRequest.get_child_info`):
-completion i is a request of its own with the id f"{i}_{request_id}" and the request's params
-with n = 1 and, when the request has a seed, `seed + i`. So `n=4, seed=s` returns exactly what
-four requests seeded s..s+3 return, alone or in any batch, with or without a drafter.
+Fan-out follows vLLM (`ParentRequest.get_child_info`): completion i is a request of its own, id
+f"{i}_{request_id}", with n = 1 and, given a seed, `seed + i`; so `n=4, seed=s` returns exactly
+what four requests seeded s..s+3 return, alone or in any batch, with or without a drafter.
 
-Sharing. The prompt's full blocks before its last token, positions [0, S) with
-S = (P - 1) // block_size * block_size, are computed once, by whichever completion is admitted
-first. The group then holds one reference to them, and every other completion is admitted with
-those blocks at the head of its table (reference counts: `BlockManager.share`) and
-`num_computed_tokens = S`. Each completion computes the rest of the prompt (1..block_size tokens)
-into blocks of its own and samples its first token from its own last row, with its own seed.
-
-Why recompute that tail rather than copy-on-write the prompt's partly filled last block: every
-completion has to run the prompt's last row anyway (its first token is sampled from that row's
-logits with its own generator), so the tail costs at most block_size - 1 more rows each, and in
-exchange no shared block is ever written again. There is no copy to make: no device-side block
-copy for the target's cache and the drafter's, none to order before the step that writes, and
-no interplay with the drafter context rows held back for a later append (deferred_context.py).
-The drafter's context K/V live in the same blocks and slots as the target's, so the shared
-blocks share the prompt's drafter context too; each completion appends its tail and its own
-tokens to its own blocks and drafts from its own anchor, independently of its siblings.
-
-Scheduling. Until one completion has computed the shared part, its siblings are parked out of
-the waiting queue (requests behind them are admitted meanwhile); then they return to the head of
-the queue and attach. A preempted completion frees its blocks like any request and is admitted
-again on the shared part if its group still holds it. The group's reference costs no memory
-while one of its completions runs (that one holds the same blocks); when none runs and the
-queue's head cannot be admitted with nothing running, idle groups let their shared blocks go
-(the next completion admitted computes them again), so shared prompts never deadlock the cache.
-Prompt log-probs of the shared part are copied from the completion that computed them.
+The prompt's full blocks before its last token, [0, S) with S = (P - 1) // block_size *
+block_size, are computed once by the completion admitted first (its siblings wait parked), then
+shared by reference count (`BlockManager.share`), the drafter's context K/V with them; each
+completion computes the rest of the prompt into blocks of its own. Why recompute that tail
+rather than copy-on-write the partly filled last block: every completion runs the prompt's last
+row anyway (its first token is sampled there with its own seed), so the tail costs at most
+block_size - 1 rows, and no shared block is ever written again: no device-side copy of either
+cache, none to order before a step, none to meet the held drafter context (deferred_context.py).
+When the queue's head cannot be admitted with nothing running, idle groups let their shared
+blocks go, so shared prompts never deadlock the cache.
 """
 
 from __future__ import annotations
@@ -43,14 +27,9 @@ from dspark.outputs import RequestMetrics, RequestOutput, SpecStats, TokenLogpro
 from dspark.sampling_params import SamplingParams
 
 
-def child_id(request_id: str, index: int) -> str:
-    """vLLM's id of completion `index` of a request with n > 1."""
-    return f"{index}_{request_id}"
-
-
 def request_ids(request_id: str, n: int) -> list[str]:
-    """The engine ids of a request's completions: its own id when n = 1, else the child ids."""
-    return [request_id] if n == 1 else [child_id(request_id, i) for i in range(n)]
+    """The engine ids of a request's completions: its own id when n = 1, else vLLM's child ids."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

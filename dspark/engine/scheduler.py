@@ -38,7 +38,6 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
     plan: StepPlan | None = None   # the speculation policy's plan (None: every draft verified)
 
     @property
@@ -52,7 +51,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 num_spec_tokens: int = 0, policy: SpecPolicy | None = None):
+                 num_spec_tokens: int = 0):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -60,7 +59,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.policy = policy                        # None: every speculative request verifies all
+        self.policy: SpecPolicy | None = None       # None: every speculative request verifies all
         self.parallel = ParallelSampling(block_manager)    # completions sharing a prompt (n > 1)
 
     def add(self, seq: Sequence) -> None:
@@ -96,7 +95,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue            # preempted earlier in this loop
             item = self._plan(seq, budget)
-            if not self._grow_or_preempt(seq, item.num_new_tokens, out):
+            if not self._grow_or_preempt(seq, item.num_new_tokens):
                 continue
             out.scheduled.append(item)
             budget -= item.num_new_tokens
@@ -162,20 +161,18 @@ class Scheduler:
         """A prefill chunk, a plain decode token, or a speculative step (anchor + ℓ drafts)."""
         remaining = seq.num_tokens - seq.num_computed_tokens
         if self.num_spec_tokens and remaining == 1 and seq.num_output_tokens > 0:
-            verify_len = min(self.num_spec_tokens, budget - 1,
-                             seq.params.max_tokens - seq.num_output_tokens - 1,
-                             self.max_model_len - seq.num_tokens)
-            verify_len = max(verify_len, 0)
+            verify_len = max(0, min(self.num_spec_tokens, budget - 1,
+                                    seq.params.max_tokens - seq.num_output_tokens - 1,
+                                    self.max_model_len - seq.num_tokens))
             return ScheduledRequest(seq, 1 + verify_len, sample=True, spec=True, verify_len=verify_len)
         n = min(remaining, budget)
         return ScheduledRequest(seq, n, sample=seq.num_computed_tokens + n == seq.num_tokens)
 
-    def _grow_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+    def _grow_or_preempt(self, seq: Sequence, n: int) -> bool:
         need = seq.num_computed_tokens + n
         while not self.block_manager.ensure(seq.block_table, need):
             victim = self.running[-1]
             self._preempt(victim)
-            out.preempted.append(victim)
             if victim is seq:
                 return False
         return True

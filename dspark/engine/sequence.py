@@ -6,7 +6,6 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-
 from dspark.outputs import RequestMetrics, SpecStats, TokenLogprobs
 from dspark.sampling_params import SamplingParams
 

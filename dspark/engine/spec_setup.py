@@ -31,7 +31,7 @@ def cost_fingerprint(config: EngineConfig, drafter: Drafter | None, graphs: Step
     """What a cost table must have been measured on to price this engine's steps."""
     return {"device": device.type, "model": config.model or "embedded",
             "dtype": config.dtype, "drafter": config.spec.drafter,
-            "drafter_config": _file_digest(config.spec.drafter, "config.json"),
+            "drafter_config": _config_digest(config.spec.drafter),
             "gamma": drafter.config.block_size if drafter is not None else 0,
             "num_threads": torch.get_num_threads() if device.type == "cpu" else None,
             "graph": graphs.mode, "buckets": graphs.buckets, "profile": PROFILE_VERSION}
@@ -60,13 +60,12 @@ def spec_policy(config: EngineConfig, drafter: Drafter | None, gamma: int,
         logger.warning("the drafter has no confidence head to schedule by: every draft is verified")
         return None
     shape = _profile_config(config, gamma, max_model_len)
-    measure = lambda: profile(shape)  # noqa: E731
     if spec.cost_table == "auto":
-        table = measure()
+        table = profile(shape)
     elif spec.cost_table is None:
         key = {**fingerprint, "profile": dataclasses.asdict(shape), "torch": torch.__version__,
                "machine": _machine()}
-        table = cached_cost_table(fingerprint, key, measure, cache_root() / "cost_tables")
+        table = cached_cost_table(fingerprint, key, lambda: profile(shape), cache_root() / "cost_tables")
     else:
         table = CostTable.load(spec.cost_table)
         table.check_fingerprint(fingerprint)
@@ -115,10 +114,10 @@ def _machine() -> str:
         return platform.processor() or platform.machine()
 
 
-def _file_digest(folder: str | None, name: str) -> str | None:
-    """A short content hash: a drafter replaced in the same folder (another vocabulary, depth or
-    γ) must not be priced with the old drafter's costs."""
-    if folder is None or not os.path.isfile(os.path.join(folder, name)):
+def _config_digest(folder: str | None) -> str | None:
+    """A short hash of the drafter's config.json: a drafter replaced in the same folder (another
+    vocabulary, depth or γ) must not be priced with the old drafter's costs."""
+    if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
         return None
-    with open(os.path.join(folder, name), "rb") as f:
+    with open(os.path.join(folder, "config.json"), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:16]

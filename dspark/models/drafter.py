@@ -1,11 +1,9 @@
 """The DSpark drafter: a block-parallel backbone conditioned on target features, a low-rank
 sequential (Markov) head and a confidence head (reference/dspark_algorithm.md §3).
 
-The drafter never owns the token embedding or the LM head: both belong to the target and are
-shared, so they are held outside the module tree and `state_dict()` holds drafter weights only.
-Context K/V are computed once per committed token (`context_kv`) and cached by the caller; a draft
-step (`block_forward`) then only runs the γ (or γ+1) block slots against the gathered cache.
-Every method takes its state as arguments: the drafter holds weights, nothing else.
+The token embedding and LM head are the target's, shared and kept out of `state_dict()`. Context
+K/V are computed once per committed token (`context_kv`) and cached by the caller, so a draft step
+(`block_forward`) runs only the block slots. The drafter holds weights; state comes as arguments.
 """
 
 from __future__ import annotations
@@ -208,10 +206,8 @@ class Drafter(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings + cfg.num_block_slots,
                                       cfg.rope_theta, cfg.rope_scaling)
         self.markov_head = MarkovHead(cfg) if cfg.markov_rank > 0 else None
-        self.confidence_head = None
-        if cfg.enable_confidence_head:
-            extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
-            self.confidence_head = ConfidenceHead(d + extra)
+        extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
+        self.confidence_head = ConfidenceHead(d + extra) if cfg.enable_confidence_head else None
         if cfg.uses_draft_vocab:
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -245,14 +241,10 @@ class Drafter(nn.Module):
     def block_forward(self, block_ids: torch.Tensor, positions: torch.Tensor,
                       ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor],
                       ctx_valid: torch.Tensor) -> torch.Tensor:
-        """One bidirectional pass over every request's block.
-
-        block_ids/positions [R, S] (S = num_block_slots, positions = anchor_pos + slot);
-        ctx_k/ctx_v per layer [R, L, KVH, D]; ctx_valid [R, L] marks the keys that exist
-        (positions < the anchor's). Returns the final-normed block hidden [R, S, d]. It runs as
-        pieces with attention between them, the loop a CUDA-graph bucket replays with each piece
-        captured (runner/draft_pieces.py).
-        """
+        """One bidirectional pass over every request's block: block_ids/positions [R, S]
+        (S = num_block_slots, positions = anchor_pos + slot), ctx_k/ctx_v per layer [R, L, KVH, D],
+        ctx_valid [R, L] (keys before the anchor) -> final-normed block hidden [R, S, d]. The
+        pieces are those a CUDA-graph bucket captures (runner/draft_pieces.py)."""
         s = self.block_enter(block_ids, positions)
         mask = block_mask(ctx_valid, block_ids.shape[1])
         for i in range(len(self.layers)):
@@ -299,12 +291,9 @@ class Drafter(nn.Module):
         return self.markov_head.markov_w1(prev_ids.long())
 
     def init_markov_state(self, h_block: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor | None:
-        """Recurrent state entering draft 1 (None unless the head is `rnn`).
-
-        In the DFlash layout the reference runs the recurrence over every block row, the anchor
-        row included (fed the anchor and h_0) though its draft is never used, so the state that
-        reaches draft 1 has already absorbed that step.
-        """
+        """Recurrent state entering draft 1 (None unless the head is `rnn`). In the DFlash layout
+        the reference also runs the recurrence over the anchor row (fed the anchor and h_0), though
+        its draft is never used, so draft 1's state has absorbed that step."""
         head = self.markov_head
         if head is None or head.head_type != "rnn":
             return None
@@ -376,9 +365,8 @@ class Drafter(nn.Module):
             self.bind_draft_vocab()
 
     def bind_draft_vocab(self) -> None:
-        """Check t2d/d2t agree, then derive the draft lm_head rows and the id map from them.
-
-        Called by load_weights; call it again after setting t2d/d2t by hand (training)."""
+        """Check t2d/d2t agree, then derive the draft lm_head rows and the id map from them (again
+        after setting t2d/d2t by hand, as training does)."""
         index = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
         selected = torch.nonzero(self.t2d, as_tuple=False).squeeze(-1)
         if index.numel() != selected.numel() or not torch.equal(index.to(selected.device), selected):

@@ -1,16 +1,14 @@
 """Read a DSpark drafter checkpoint (speculators or DeepSpec format) against a loaded target,
 and write the speculators format back (reference/dspark_algorithm.md §4).
 
-The two formats count target layers differently: DeepSpec's `target_layer_ids` are decoder-layer
-outputs (-1 = embeddings), speculators' `aux_hidden_state_layer_ids` are layer boundaries
-(0 = embeddings, i = output of layer i-1). Everything inside dspark uses the DeepSpec count, so
-the speculators ids are shifted by one here and nowhere else. speculators' `block_size` counts
-block rows, DeepSpec's counts drafts; DrafterConfig.block_size is always the number of drafts.
+DeepSpec's `target_layer_ids` count decoder-layer outputs (-1 = embeddings), speculators'
+`aux_hidden_state_layer_ids` layer boundaries (0 = embeddings): dspark uses the DeepSpec count, so
+speculators ids are shifted by one here and nowhere else. speculators' `block_size` counts block
+rows, DeepSpec's (and DrafterConfig's) the drafts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -35,17 +33,9 @@ TRAINING_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")
 
 
 def load_drafter(path: str, target: ModelConfig, embed_tokens: nn.Embedding, lm_head: nn.Module,
-                 dtype: torch.dtype, require_confidence: bool = False,
-                 max_positions: int | None = None) -> Drafter:
-    """Build the drafter for `target`, sharing its embedding and LM head (and their device).
-
-    `max_positions` is the target's position-table size when it was loaded with a larger one
-    than its config declares; the drafter's table covers it plus one block.
-    """
-    raw = read_drafter_config(path)
-    cfg = drafter_config_from_hf(raw, target)
-    if max_positions is not None and max_positions > cfg.max_position_embeddings:
-        cfg = dataclasses.replace(cfg, max_position_embeddings=max_positions)
+                 dtype: torch.dtype, require_confidence: bool = False) -> Drafter:
+    """Build the drafter for `target`, sharing its embedding and LM head (and their device)."""
+    cfg = drafter_config_from_hf(read_drafter_config(path), target)
     _validate(cfg, target, require_confidence)
     tensors = _read_tensors(path)
     _check_shared_shapes(tensors, cfg, target)
@@ -66,7 +56,6 @@ def load_drafter(path: str, target: ModelConfig, embed_tokens: nn.Embedding, lm_
 
 
 def drafter_config_from_hf(raw: dict[str, Any], target: ModelConfig) -> DrafterConfig:
-    """Dispatch on the config's format marker."""
     if raw.get("speculators_model_type") in SPECULATORS_TYPES:
         return _speculators_config(raw, target)
     if any(a in DEEPSPEC_ARCHITECTURES for a in raw.get("architectures") or []):
@@ -98,19 +87,16 @@ def _speculators_config(raw: dict[str, Any], target: ModelConfig) -> DrafterConf
     rank = 0 if dflash else int(raw.get("markov_rank", 256))
     shape = _layer_shapes(layer)
     return _make_config(
-        shape,
+        shape, raw, target,
         block_size=rows if sample_from_anchor else rows - 1,
         target_layer_ids=tuple(int(i) - 1 for i in aux),
         sample_from_anchor=sample_from_anchor,
         mask_token_id=_required(raw, "mask_token_id"),
         markov_rank=rank,
-        markov_head_type=str(raw.get("markov_head_type", "vanilla")).lower(),
         enable_confidence_head=confidence,
         confidence_head_with_markov=confidence and bool(raw.get("confidence_head_with_markov", True)),
         target_hidden_size=int(raw.get("target_hidden_size") or shape.hidden_size),
-        vocab_size=shape.vocab_size,
         draft_vocab_size=int(raw.get("draft_vocab_size") or shape.vocab_size),
-        max_position_embeddings=max(shape.max_position_embeddings, target.max_position_embeddings),
     )
 
 
@@ -119,27 +105,17 @@ def _deepspec_config(raw: dict[str, Any], target: ModelConfig) -> DrafterConfig:
     rank = int(raw.get("markov_rank", 0))
     confidence = bool(raw.get("enable_confidence_head", False))
     return _make_config(
-        shape,
-        block_size=_block_size(raw),
+        shape, raw, target,
+        block_size=int(_required(raw, "block_size")),           # DrafterConfig checks >= 1
         target_layer_ids=tuple(int(i) for i in _required(raw, "target_layer_ids")),
         sample_from_anchor=True,
         mask_token_id=_required(raw, "mask_token_id"),
         markov_rank=rank,
-        markov_head_type=str(raw.get("markov_head_type", "vanilla")).lower(),
         enable_confidence_head=confidence,
         confidence_head_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
         target_hidden_size=shape.hidden_size,
-        vocab_size=shape.vocab_size,
         draft_vocab_size=shape.vocab_size,
-        max_position_embeddings=max(shape.max_position_embeddings, target.max_position_embeddings),
     )
-
-
-def _block_size(raw: dict[str, Any]) -> int:
-    size = int(_required(raw, "block_size"))
-    if size < 1:
-        raise ValueError(f"block_size must be >= 1, got {size}")
-    return size
 
 
 def _layer_shapes(layer: dict[str, Any]) -> ModelConfig:
@@ -147,16 +123,18 @@ def _layer_shapes(layer: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_hf({**layer, "architectures": ["Qwen3ForCausalLM"]})
 
 
-def _make_config(shape: ModelConfig, **fields: Any) -> DrafterConfig:
-    if fields["markov_rank"] > 0 and fields["markov_head_type"] not in ("vanilla", "gated", "rnn"):
-        raise ValueError(f"unknown markov_head_type {fields['markov_head_type']!r}; "
-                         "expected one of ['vanilla', 'gated', 'rnn']")
+def _make_config(shape: ModelConfig, raw: dict[str, Any], target: ModelConfig,
+                 **fields: Any) -> DrafterConfig:
+    """The fields both formats spell alike, around the format-specific `fields`."""
     return DrafterConfig(
         hidden_size=shape.hidden_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
         intermediate_size=shape.intermediate_size, rms_norm_eps=shape.rms_norm_eps,
         rope_theta=shape.rope_theta, rope_scaling=shape.rope_scaling, qk_norm=True,
-        attention_bias=shape.qkv_bias, **fields)
+        attention_bias=shape.qkv_bias, vocab_size=shape.vocab_size,
+        markov_head_type=str(raw.get("markov_head_type", "vanilla")).lower(),
+        max_position_embeddings=max(shape.max_position_embeddings, target.max_position_embeddings),
+        **fields)
 
 
 def _validate(cfg: DrafterConfig, target: ModelConfig, require_confidence: bool) -> None:
@@ -178,12 +156,8 @@ def _validate(cfg: DrafterConfig, target: ModelConfig, require_confidence: bool)
 
 
 def _validate_layer_ids(ids: tuple[int, ...], num_layers: int) -> None:
-    """DeepSpec ids in {-1} ∪ [0, num_layers-2], distinct (the target concatenates in any order).
-
-    The last layer is excluded (as DeepSpec's eval does): extractors disagree on whether its
-    reported state is the raw layer output or the final-normed one, so a drafter trained on it
-    would be fed a different feature than it saw.
-    """
+    """DeepSpec ids in {-1} ∪ [0, num_layers-2], distinct. The last layer is excluded (as in
+    DeepSpec's eval): extractors disagree on whether its state is raw or final-normed."""
     for i in ids:
         if not -1 <= i <= num_layers - 2:
             raise ValueError(f"target_layer_ids {list(ids)} (DeepSpec count) has {i}, outside "
@@ -256,12 +230,9 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 def save_speculators(drafter: Drafter, path: str, verifier_name_or_path: str | None = None,
                      verifier_architectures: tuple[str, ...] = ()) -> None:
-    """Write config.json + model.safetensors in the speculators DSpark format.
-
-    The shared embedding is never written; the lm_head only with a reduced draft vocabulary
-    (speculators keeps that one because runtimes do not rebuild it from t2d). The verifier
-    fields name the target in `speculators_config`, which speculators needs to reload the file.
-    """
+    """Write config.json + model.safetensors in the speculators DSpark format: no shared
+    embedding; the lm_head only for a reduced draft vocabulary (runtimes do not rebuild it from
+    t2d); the verifier fields name the target, which speculators needs to reload the file."""
     from safetensors.torch import save_file
     cfg = drafter.config
     os.makedirs(path, exist_ok=True)

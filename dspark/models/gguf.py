@@ -19,6 +19,7 @@ from gguf import GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
+from dspark.models.layers.rotary import llama3_inv_freq
 from dspark.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -86,11 +87,8 @@ def default_model_path() -> str:
 
 
 class _FastReader(GGUFReader):
-    """GGUFReader slicing a plain ndarray view of its memory map instead of the map itself.
-
-    Identical parsing; it only skips numpy's per-slice memmap bookkeeping, which dominates
-    reading a large vocabulary, a few small slices per token (docs/measurements.md).
-    """
+    """GGUFReader slicing a plain ndarray view of its memory map: identical parsing without
+    numpy's per-slice memmap bookkeeping, which dominates reading a large vocabulary."""
 
     def _get(self, offset: int, dtype: Any, count: int = 1,
              override_order: Any = None) -> np.ndarray:
@@ -210,11 +208,8 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
 
 
 def _llama3_scaling(freqs: torch.Tensor, config: dict[str, Any]) -> dict[str, Any]:
-    """Llama 3.1+ files store the rope scaling as per-frequency factors, not as metadata.
-
-    Try the parameter sets Llama 3.x uses and keep the one that reproduces the stored factors;
-    anything else is refused rather than silently run with the wrong positions.
-    """
+    """Llama 3.1+ files store the rope scaling as per-frequency divisors, not as metadata: keep
+    the Llama 3.x parameter set that reproduces them, refuse anything else."""
     head_dim, theta = config["head_dim"], config["rope_theta"]
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     stored = freqs.double().flatten()
@@ -222,22 +217,10 @@ def _llama3_scaling(freqs: torch.Tensor, config: dict[str, Any]) -> dict[str, An
         for factor in dict.fromkeys((float(stored.max()), 8.0, 32.0, 16.0, 4.0)):
             scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": original}
-            if torch.allclose(_llama3_factors(inv, scaling), stored, rtol=1e-4, atol=1e-4):
+            if torch.allclose(inv / llama3_inv_freq(inv, scaling), stored, rtol=1e-4, atol=1e-4):
                 return scaling
     raise ValueError("GGUF rope_freqs.weight does not match llama3 rope scaling; "
                      "this file's position encoding is not supported")
-
-
-def _llama3_factors(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
-    """The divisor llama.cpp applies per frequency (same formula as transformers' llama3 rope)."""
-    wavelen = 2 * torch.pi / inv
-    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
-    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
-    smooth = ((s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"])
-              / (s["high_freq_factor"] - s["low_freq_factor"]))
-    mid = 1.0 / ((1 - smooth) / s["factor"] + smooth)
-    factors = torch.where(wavelen > low_wavelen, torch.full_like(inv, s["factor"]), mid)
-    return torch.where(wavelen < high_wavelen, torch.ones_like(inv), factors)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -252,11 +235,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 
 def reverse_qk_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's `permute` of Q/K rows (weight or bias), as transformers' GGUF loader does.
-
-    The converter turns each head's [first half | second half] rope layout into interleaved
-    pairs; here the pairs are split back into halves, per head.
-    """
+    """Undo llama.cpp's `permute` of Q/K rows (weight or bias), which interleaves each head's
+    [first half | second half] rope layout into pairs, as transformers' GGUF loader does."""
     half = weight.shape[0] // n_head // 2
     w = weight.reshape(n_head, half, 2, *weight.shape[1:])
     return w.swapaxes(2, 1).reshape(weight.shape)

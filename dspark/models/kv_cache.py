@@ -13,9 +13,8 @@ from dspark.models.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
-    layers = cfg.num_layers if num_layers is None else num_layers
-    return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
 def available_memory(device: torch.device) -> int:
@@ -28,17 +27,13 @@ def available_memory(device: torch.device) -> int:
 def num_blocks_for_budget(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
                           device: torch.device, max_tokens_needed: int,
                           extra_bytes_per_block: int = 0) -> int:
-    """Blocks that fit the budget, capped at what `max_tokens_needed` concurrent tokens use.
-
-    `extra_bytes_per_block` is what else lives in each block (the drafter's context K/V).
-    """
+    """Blocks that fit the budget, capped at what `max_tokens_needed` concurrent tokens use;
+    `extra_bytes_per_block` is what else lives in each block (the drafter's context K/V)."""
     per_block = bytes_per_block(cfg, cache.block_size, dtype) + extra_bytes_per_block
     budget = cache.kv_cache_bytes
     if budget is None:
         budget = int(available_memory(device) * cache.memory_fraction)
-    blocks = budget // per_block
-    cap = -(-max_tokens_needed // cache.block_size)
-    blocks = min(blocks, cap)
+    blocks = min(budget // per_block, -(-max_tokens_needed // cache.block_size))
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, cache.block_size,
                 blocks * per_block / 2**20)
     return int(blocks)

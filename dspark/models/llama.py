@@ -1,8 +1,6 @@
-"""The decoder-only target: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
-
-The families differ only in a few flags of ModelConfig, so one module serves all of them.  Q/K/V
-and gate/up are stored fused (one matmul each) because at batch 1 on a CPU the step is a chain of
-small GEMVs and every launch counts.
+"""The decoder-only target: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm),
+which differ only in flags of ModelConfig. Q/K/V and gate/up are fused: a small step is a chain of
+small matmuls, and every launch counts.
 """
 
 from __future__ import annotations
@@ -29,11 +27,8 @@ class ModelOutput:
 
 @dataclass
 class StackState:
-    """What passes from one piece of the decoder stack to the next (see CausalLM.forward_hidden).
-
-    A piece is everything between two attention calls; a captured graph keeps these tensors at
-    fixed addresses, so the next piece reads them in place.
-    """
+    """What passes from one piece of the stack (everything between two attention calls) to the
+    next; a captured graph keeps these tensors at fixed addresses (docs/graphs.md)."""
     x: torch.Tensor                      # [T, hidden] residual stream
     cos: torch.Tensor                    # [T, 1, D] rotary tables of the step's positions
     sin: torch.Tensor                    # [T, 1, D]
@@ -100,9 +95,9 @@ class DecoderLayer(nn.Module):
 
 def layer_transition(layer: DecoderLayer, next_layer: DecoderLayer | None, x: torch.Tensor,
                      attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Everything between two attention calls: layer's output [T, hidden] from its residual and
-    attention output [T, H*D], then next_layer's q, k, v (None after the last layer). The layers
-    are arguments, not indices, so one compiled graph serves every layer of a bucket."""
+    """Between two attention calls: `layer`'s output [T, hidden] from its residual and attention
+    output [T, H*D], then `next_layer`'s q, k, v (None after the last). Layers are arguments, so
+    one compiled graph serves every layer."""
     x = layer.post_attention(x, attn)
     if next_layer is None:
         return x, None, None, None
@@ -125,44 +120,29 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
                 aux_layer_ids: tuple[int, ...] = ()) -> ModelOutput:
-        """input_ids/positions [T]; logits only for rows logits_indices [N].
-
-        aux_layer_ids count decoder-layer outputs (id i = output of layer i, -1 = the embeddings),
-        the DeepSpec convention; the aux hidden concatenates them in the order given.
-        """
+        """input_ids/positions [T]; logits only for rows logits_indices [N]. aux_layer_ids count
+        decoder-layer outputs (i = layer i, -1 = embeddings: DeepSpec's count), concatenated in order."""
         x, aux_hidden = self.forward_hidden(input_ids, positions, meta, kv_caches, aux_layer_ids)
         return self.compute_logits(x, logits_indices, aux_hidden)
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder stack: [T] tokens -> last hidden [T, hidden] and aux hidden. Its shapes are
-        the step's token count alone, so a graph bucket compiles or captures exactly this.
-
-        It runs as pieces with attention between them: piece 0 (`first_piece`) and then one
-        `layer_piece` per layer. Attention is the only part whose shapes follow the context, so
-        a CUDA-graph bucket captures each piece and calls `attend` eagerly in between
-        (runner/backends.py); this loop is that replay loop with the pieces run directly.
-        """
+        """[T] tokens -> last hidden [T, hidden] and aux hidden: the pieces a graph bucket
+        compiles or captures, run directly (docs/graphs.md)."""
         return self.run_stack(input_ids, positions, meta, kv_caches, aux_layer_ids)
 
     def run_stack(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], aux_layer_ids: tuple[int, ...] = (),
                   entry: Callable | None = None, transition: Callable | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The stack as pieces with eager attention between them; `entry` (`embed_and_enter`) and
-        `transition` (`layer_transition`) may be swapped for compiled versions of themselves."""
-        entry = entry or self.embed_and_enter
-        transition = transition or layer_transition
-        x, cos, sin, q, k, v = entry(input_ids, positions)
-        aux = {-1: x} if -1 in aux_layer_ids else {}
-        last = len(self.layers) - 1
+        """The pieces with eager attention between them; `entry` (`embed_and_enter`) and
+        `transition` (`layer_transition`) may be compiled versions of themselves."""
+        s = self.first_piece(input_ids, positions, aux_layer_ids, entry)
         for i, layer in enumerate(self.layers):
-            attn = attend(q, k, v, kv_caches[i], meta, layer.self_attn.scale)   # [T, H*D]
-            x, q, k, v = transition(layer, self.layers[i + 1] if i < last else None, x, attn, cos, sin)
-            if i in aux_layer_ids:
-                aux[i] = x
-        return x, torch.cat([aux[i] for i in aux_layer_ids], -1) if aux_layer_ids else None
+            attn = attend(s.q, s.k, s.v, kv_caches[i], meta, layer.self_attn.scale)   # [T, H*D]
+            s = self.layer_piece(i, s, attn, aux_layer_ids, transition)
+        return s.x, self.aux_hidden(s, aux_layer_ids)
 
     def embed_and_enter(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Piece 0: embeddings [T, hidden], the step's rotary tables and layer 0's q, k, v."""
@@ -171,17 +151,17 @@ class CausalLM(nn.Module):
         return (x, cos, sin, *self.layers[0].pre_attention(x, cos, sin))
 
     def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    aux_layer_ids: tuple[int, ...] = ()) -> StackState:
-        """Piece 0 as the state a captured graph keeps (CUDA graphs)."""
-        x, cos, sin, q, k, v = self.embed_and_enter(input_ids, positions)
+                    aux_layer_ids: tuple[int, ...] = (), entry: Callable | None = None) -> StackState:
+        """Piece 0 as the state a captured graph keeps."""
+        x, cos, sin, q, k, v = (entry or self.embed_and_enter)(input_ids, positions)
         return StackState(x, cos, sin, q, k, v, {-1: x} if -1 in aux_layer_ids else {})
 
-    def layer_piece(self, i: int, s: StackState, attn: torch.Tensor,
-                    aux_layer_ids: tuple[int, ...] = ()) -> StackState:
-        """Piece i+1 as a captured graph's state: layer i after its attention, fused with the next
-        layer's pre-attention; after the last layer only the residual stream remains."""
+    def layer_piece(self, i: int, s: StackState, attn: torch.Tensor, aux_layer_ids: tuple[int, ...] = (),
+                    transition: Callable | None = None) -> StackState:
+        """Piece i+1: layer i after its attention with the next layer's pre-attention (after the
+        last layer, only the residual stream)."""
         nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-        x, q, k, v = layer_transition(self.layers[i], nxt, s.x, attn, s.cos, s.sin)
+        x, q, k, v = (transition or layer_transition)(self.layers[i], nxt, s.x, attn, s.cos, s.sin)
         aux = {**s.aux, i: x} if i in aux_layer_ids else s.aux
         return StackState(x, s.cos, s.sin, q, k, v, aux)
 
@@ -192,46 +172,44 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, x: torch.Tensor, logits_indices: torch.Tensor,
                        aux_hidden: torch.Tensor | None) -> ModelOutput:
-        """x [T, hidden] -> fp32 logits of the rows logits_indices [N] (their count varies within
-        a bucket, so this tail stays outside the graph)."""
+        """x [T, hidden] -> fp32 logits of rows logits_indices [N] (a count that varies within a
+        bucket, so this tail stays outside the graph)."""
         h = self.norm(x.index_select(0, logits_indices))          # [N, hidden]
         logits = self.lm_head(h).float()                           # [N, V]
         return ModelOutput(logits=logits, aux_hidden=aux_hidden)
 
     def load_weights(self, weights) -> None:
         """Load Hugging Face named tensors, fusing q/k/v and gate/up as they arrive."""
+        cfg = self.config
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        # Hugging Face projection -> (fused parameter, shard, first row, rows)
+        fused = {"q_proj": ("qkv_proj", 0, 0, q), "k_proj": ("qkv_proj", 1, q, kv),
+                 "v_proj": ("qkv_proj", 2, q + kv, kv),
+                 "gate_proj": ("gate_up_proj", 0, 0, inter), "up_proj": ("gate_up_proj", 1, inter, inter)}
         params = dict(self.named_parameters())
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
             parts = name.split(".")
             target, shard = name, None
             if len(parts) >= 2 and parts[-2] in fused:
-                fused_name, shard = fused[parts[-2]]
+                fused_name, shard, start, rows = fused[parts[-2]]
                 target = ".".join(parts[:-2] + [fused_name, parts[-1]])
             if target not in params:
-                raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
-            _copy_shard(params[target], tensor, shard, self._shard_sizes(parts[-2] if shard is not None else ""))
+                raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
+            with torch.no_grad():
+                dst = params[target] if shard is None else params[target].narrow(0, start, rows)
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weight shape {tuple(tensor.shape)} does not match {tuple(dst.shape)}")
+                dst.copy_(tensor.to(dst.dtype))
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_complete(params, loaded)
 
-    def _shard_sizes(self, proj: str) -> list[int]:
-        cfg = self.config
-        if proj in ("q_proj", "k_proj", "v_proj"):
-            return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        return [cfg.intermediate_size] * 2
-
     def _check_complete(self, params: dict, loaded: set[str]) -> None:
         missing = []
-        for name in params:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
+        for name in params:           # a tied lm_head.weight is not listed: it is embed_tokens.weight
             if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
                 n = 2 if "gate_up" in name else 3
                 missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in loaded]
@@ -240,15 +218,3 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
-
-
-def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, sizes: list[int]) -> None:
-    with torch.no_grad():
-        if shard is None:
-            dst = param
-        else:
-            start = sum(sizes[:shard])
-            dst = param.narrow(0, start, sizes[shard])
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight shape {tuple(tensor.shape)} does not match {tuple(dst.shape)}")
-        dst.copy_(tensor.to(dst.dtype))

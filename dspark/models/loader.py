@@ -33,7 +33,10 @@ def load_target(path: str | None, dtype: torch.dtype = torch.bfloat16,
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
     if os.path.isfile(path):
-        return _load_gguf(path, dtype, max_positions, device)
+        from dspark.models.gguf import load_gguf
+        ckpt = load_gguf(path)
+        cfg = ModelConfig.from_hf(ckpt.config)
+        return LoadedTarget(_build(cfg, ckpt.tensors.items(), dtype, max_positions, device), cfg, ckpt.tokenizer)
     return _load_hf_folder(path, dtype, max_positions, device)
 
 
@@ -49,14 +52,6 @@ def _build(cfg: ModelConfig, weights, dtype: torch.dtype, max_positions: int | N
                                    cfg.rope_theta, cfg.rope_scaling).to(device)
     model.load_weights(weights)
     return model.eval().requires_grad_(False)
-
-
-def _load_gguf(path: str, dtype, max_positions, device) -> LoadedTarget:
-    from dspark.models.gguf import load_gguf
-    ckpt = load_gguf(path)
-    cfg = ModelConfig.from_hf(ckpt.config)
-    model = _build(cfg, ckpt.tensors.items(), dtype, max_positions, device)
-    return LoadedTarget(model, cfg, ckpt.tokenizer)
 
 
 def _load_hf_folder(path: str, dtype, max_positions, device) -> LoadedTarget:

@@ -1,22 +1,17 @@
 """How each graph backend turns a bucket into something runnable (see graphs.py).
 
-`compile` compiles the stack's two kinds of piece (embedding + first q/k/v, and the transition
-between two attention calls, layers passed as arguments) per bucket shape; attention runs
-eagerly between them. `cuda` captures the same stack piecewise: it is cut at its attention calls into
-`CausalLM.first_piece` and one `CausalLM.layer_piece` per layer, and each piece becomes one
-`torch.cuda.CUDAGraph` over static tensors. The bucket's persistent `input_ids`/`positions` feed
-piece 0, piece j's outputs are piece j+1's inputs in place, and one static [B, H*D] buffer carries
-each attention output in. A replay runs attention eagerly between pieces, on the live rows only,
-because its shapes follow each request's context rather than the bucket (vLLM's piecewise
-mode; TensorRT-LLM captures the whole step, attention included, and sends the padding's K/V to a
-scratch row).
+`compile` compiles the stack's pieces per bucket shape; `cuda` captures them as one
+`torch.cuda.CUDAGraph` each (`CausalLM.first_piece`, then one `CausalLM.layer_piece` per layer),
+piece j's outputs being piece j+1's inputs in place. Under both, attention runs eagerly between
+the pieces, on the live rows only, because its shapes follow each request's context rather than
+the bucket (vLLM's piecewise mode; docs/graphs.md, "Backends").
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TypeVar
 
 import torch
 import torch._dynamo
@@ -39,17 +34,14 @@ def build_runner(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetada
         return None
     if graphs.mode == "compile":
         return _compiled(graphs, bucket, kv_caches, meta)
-    if graphs.mode == "cuda":
-        return _cuda_graphs(graphs, bucket, kv_caches, meta)
-    raise ValueError(f"graph mode {graphs.mode!r} has no backend on this build")
+    return _cuda_graphs(graphs, bucket, kv_caches, meta)          # the mode is checked: cuda
 
 
 def _compiled(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetadata) -> Runner:
-    """The stack's two kinds of piece compiled once each (`embed_and_enter`, `layer_transition`,
-    whose layers are arguments: one graph serves all layers), specialised per bucket shape, with
-    eager attention between them. `fullgraph` and a recompile limit of the bucket count make a
-    guard failing at replay an error, not a silent recompile or eager run; isolated, so other
-    engines in the process neither share nor use up these entries."""
+    """The stack's two kinds of piece (`embed_and_enter`, `layer_transition`, whose layers are
+    arguments) compiled once each per bucket shape. `fullgraph` and a recompile limit of the
+    bucket count make a guard failing at replay an error, not a silent recompile; isolated, so
+    other engines in the process neither share nor use up these entries."""
     if graphs.compiled is None:
         lower_packed_linear()
         n = len(graphs.buckets)
@@ -94,19 +86,12 @@ class CudaGraphPiece:
 
 
 class PiecewiseRunner:
-    """One bucket's decoder stack as captured pieces with eager attention between them.
-
-    The pieces read only static tensors: the bucket's input buffers (refreshed in place by
-    StepGraphs.run), the previous piece's outputs and `attn_in`. Attention therefore writes into
-    `attn_in` before the next piece runs. The returned hidden state is a copy, because the static
-    outputs are overwritten by the next replay of any bucket sharing the pool.
-    """
+    """One bucket's decoder stack as captured pieces with eager attention between them. The
+    pieces read only static tensors (the bucket's input buffers, the previous piece's outputs,
+    `attn_in`); the hidden state returned is a copy: the next replay in the pool overwrites it."""
 
     def __init__(self, model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                  pieces: list[Piece], attn_in: torch.Tensor, aux_layer_ids: tuple[int, ...]):
-        if len(pieces) != len(model.layers) + 1:
-            raise ValueError(f"{len(model.layers)} layers need {len(model.layers) + 1} pieces, "
-                             f"got {len(pieces)}")
         self.model, self.input_ids, self.positions = model, input_ids, positions
         self.pieces, self.attn_in, self.aux_layer_ids = pieces, attn_in, aux_layer_ids
 
@@ -137,24 +122,32 @@ def capture_pieces(model: CausalLM, input_ids: torch.Tensor, positions: torch.Te
     return PiecewiseRunner(model, input_ids, positions, pieces, attn_in, aux_layer_ids)
 
 
-def _cuda_graphs(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetadata) -> PiecewiseRunner:
-    """Warm the bucket up on a side stream, as PyTorch's CUDA-graph recipe asks (lazy kernel and
-    cuBLAS initialisation must not happen inside a capture), then capture its pieces into the
-    pool every bucket shares. Buckets come largest first (StepGraphs.capture), so the smaller
-    ones reuse the larger ones' memory. `meta` has no live row: the warm-up writes no K/V."""
-    device = graphs.device
-    if graphs.graph_pool is None:
-        graphs.graph_pool = torch.cuda.graph_pool_handle()
-    pool = graphs.graph_pool
-    ids, pos = graphs.input_ids[bucket], graphs.positions[bucket]
+T = TypeVar("T")
+
+
+def warm_up_and_capture(device: torch.device, warm_up: Callable[[], object], capture: Callable[[], T]) -> T:
+    """Run `warm_up` on a side stream, as PyTorch's CUDA-graph recipe asks (lazy kernel and
+    cuBLAS initialisation must not happen inside a capture), then `capture()`."""
     with torch.inference_mode():
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(CUDA_WARMUP_RUNS):
-                graphs.model.forward_hidden(ids, pos, meta, kv_caches, graphs.aux_layer_ids)
+                warm_up()
         torch.cuda.current_stream(device).wait_stream(side)
-        runner = capture_pieces(graphs.model, ids, pos, graphs.aux_layer_ids,
-                                lambda fn: CudaGraphPiece(fn, pool))
+        return capture()
+
+
+def _cuda_graphs(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetadata) -> PiecewiseRunner:
+    """The bucket's pieces captured into the pool every bucket shares; buckets come largest first
+    (StepGraphs.capture), so the smaller ones reuse the larger ones' memory. `meta` has no live
+    row: the warm-up writes no K/V."""
+    if graphs.graph_pool is None:
+        graphs.graph_pool = torch.cuda.graph_pool_handle()
+    pool, model, aux = graphs.graph_pool, graphs.model, graphs.aux_layer_ids
+    ids, pos = graphs.input_ids[bucket], graphs.positions[bucket]
+    runner = warm_up_and_capture(
+        graphs.device, lambda: model.forward_hidden(ids, pos, meta, kv_caches, aux),
+        lambda: capture_pieces(model, ids, pos, aux, lambda fn: CudaGraphPiece(fn, pool)))
     logger.debug("captured the %d-token bucket as %d CUDA graphs", bucket, len(runner.pieces))
     return runner

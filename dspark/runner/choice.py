@@ -1,14 +1,10 @@
 """`--graph auto`: CUDA graphs on NVIDIA; on a CPU, whichever of compile and eager is faster here.
 
-Which backend wins on a CPU depends on the model, the dtype, the thread count and the torch build
-(compiled SmolLM2 has measured a little slower than eager in some runs and faster in others,
-docs/measurements.md), so it is measured rather than assumed: the 1-token bucket, eager and
-compiled, medians of all-dummy replays taken alternately (on a shared machine a burst of foreign
-load would otherwise land on one backend only and skew the verdict far past the real
-difference). An all-dummy step skips attention, which is eager under both backends anyway, so
-the timing is the part the backends differ in. Compiling every bucket costs tens of seconds at
-each start, so compile must win by `min_gain`. The verdict is kept in a small JSON
-file keyed by a fingerprint of what it depends on, and a later start reuses it.
+Which wins on a CPU depends on the model, dtype, threads and torch build (docs/measurements.md),
+so the all-dummy 1-token bucket is timed under both, alternately (a burst of foreign load then
+reaches both alike); all-dummy skips attention, which is eager under both anyway. Compiling
+every bucket costs start-up time, so compile must win by `min_gain`. The verdict is cached in a
+JSON file keyed by a fingerprint of what it depends on.
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
 """Graph buckets for the draft step: the drafter's block pass at a few padded request counts.
 
-A draft step of R live requests runs at the smallest request bucket Rb >= R (the draft step's
-graph key), through persistent per-bucket buffers refreshed in place at every replay, the dummy
-rows included, so a batch that shrinks leaves no stale row behind. Rows R..Rb-1 are dummy
-requests:
-
-- anchor DUMMY_TOKEN_ID at start 0: they attend to no context (ctx_valid all False), only to
-  their own block;
-- a block-table row of DUMMY_BLOCK_ID. It is read and masked out, never written: the draft
-  step writes no K/V, and the context K/V append after the target step sees live rows only;
-- greedy sampling, a neutral confidence row, and a request id from the reserved
-  DUMMY_REQUEST_PREFIX namespace, which `Engine.add_request` refuses to a caller.
-
-Their drafts, probabilities and confidence logits are sliced off before allocation or
-acceptance sees them. The context is gathered as whole pages of the widest live block table (or
-of a width the caller forces, a data-parallel group's agreed page-table capacity), and its
-length L stays a dynamic dimension of the compiled graph: one graph per request bucket serves
-every context length without a recompile, so the page-table width needs no bucket of its own.
-The Markov loop and sampling run after the graph, eagerly (seeded rows draw noise of their own,
-sampler.NoiseKey).
-
-The backend follows the target's `StepGraphs.mode`: `eager` (the padded path as plain PyTorch),
-`compile` (torch.compile of `block_pass` per bucket) or `cuda` (the block pass as piecewise CUDA
-graphs with eager attention between them, runner/draft_pieces.py). Steps with more requests
-than the largest bucket, or tables wider than the buffers, run unpadded and are counted.
+A draft step of R live requests runs at the smallest request bucket Rb >= R, through per-bucket
+buffers refreshed in place at every replay. Rows R..Rb-1 are dummy requests (docs/graphs.md):
+anchor DUMMY_TOKEN_ID at start 0 (no context), a block-table row of DUMMY_BLOCK_ID (read and
+masked out, never written: the draft step writes no K/V), greedy, a neutral confidence row and
+an id in the reserved DUMMY_REQUEST_PREFIX namespace; their outputs are sliced off before
+allocation or acceptance sees them. The context length L stays a dynamic dimension of the
+compiled graph, so the page-table width needs no bucket of its own. The backend follows the
+target's `StepGraphs.mode` (`cuda`: runner/draft_pieces.py); steps with more requests than the
+largest bucket, or tables wider than the buffers, run unpadded and are counted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch._dynamo
@@ -39,7 +24,8 @@ from dspark.spec.draft import BlockPass, FusedDraft, KVCaches, block_pass, propo
 from dspark.spec.sampler import SamplingTensors
 from dspark.spec.types import DraftProposal
 from dspark.runner.draft_pieces import DraftPieces, capture_draft_bucket
-from dspark.runner.graphs import DUMMY_TOKEN_ID, StepGraphs, capture_largest_first, token_buckets
+from dspark.runner.graphs import (DUMMY_TOKEN_ID, GraphStats, StepGraphs, capture_largest_first,
+                                  check_graph_setup, token_buckets)
 
 DUMMY_REQUEST_PREFIX = "__dspark_dummy__:"   # reserved: no live request id may start with it
 DUMMY_START = 0                  # a dummy anchor sits at position 0: no context before it
@@ -75,31 +61,19 @@ class PaddedDraft:
     row_ids: list[str | None]    # [Rb] live request ids (None where the caller gave none), dummy ids
 
 
-@dataclass
-class DraftGraphStats:
-    replays: dict[int, int] = field(default_factory=dict)    # bucket -> draft steps run at it
-    eager_steps: int = 0         # steps above the largest bucket or the table buffers (unpadded)
-    capture_fallbacks: int = 0   # buckets run eagerly because their capture failed
-
-
 class DraftGraphs:
     """The drafter's block pass of one worker, one runnable per request bucket."""
 
     def __init__(self, drafter: Drafter, mode: str, buckets: list[int], device: torch.device,
                  block_size: int, max_pages: int, fallback_to_eager: bool = False,
                  fused: FusedDraft | None = None):
-        if mode not in ("cuda", "compile", "eager"):
-            raise ValueError(f"graph mode must be one of cuda, compile, eager; got {mode!r}")
-        if mode == "cuda" and not (device.type == "cuda" and torch.cuda.is_available()):
-            raise ValueError("--graph cuda needs an NVIDIA GPU; use compile or eager on this device")
-        if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
-            raise ValueError(f"buckets must be increasing positive request counts, got {buckets}")
+        check_graph_setup(mode, device, buckets, "request")
         self.drafter, self.mode, self.buckets, self.device = drafter, mode, list(buckets), device
         self.block_size, self.fallback_to_eager = block_size, fallback_to_eager
         self.fused = fused                   # takes the small block passes first, whatever the mode
         self.min_pages = -(-MIN_CONTEXT // block_size)
         self.max_pages = max(max_pages, self.min_pages)
-        self.stats = DraftGraphStats()
+        self.stats = GraphStats()
         # one table pool shared by every bucket (replays never overlap), each a view of its rows
         tables = torch.full((buckets[-1], self.max_pages), DUMMY_BLOCK_ID, dtype=torch.int32, device=device)
         self.buffers = {b: _buffers(b, tables[:b], device) for b in buckets}
@@ -126,27 +100,25 @@ class DraftGraphs:
             return None
         if self.compiled is None:
             lower_packed_linear()
-            # one entry per bucket and no more: fullgraph turns a recompile past the buckets (a
-            # guard that failed at replay) into an error instead of a silent stall or eager run;
-            # isolated, so other engines in the process neither share nor use up these entries
+            # one entry per bucket, a recompile at replay an error, isolated (as backends._compiled)
             options = {"freezing": True} if self.device.type == "cpu" else {}
             self.compiled = torch.compile(block_pass, dynamic=False, fullgraph=True, options=options,
                                           recompile_limit=len(self.buckets), isolate_recompiles=True)
         runner = _dynamic_context(self.compiled, max(self.max_pages * self.block_size, MIN_CONTEXT + 1))
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._replay(bucket, kv, empty, empty, empty.view(0, 1), _all_greedy(0, self.device), None,
-                     self.min_pages, runner)                                  # compiles
+        self._dummy_replay(bucket, kv, runner)                                   # compiles
         return runner
 
     def _capture_cuda(self, bucket: int, kv: KVCaches) -> DraftPieces:
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        greedy = _all_greedy(0, self.device)
+        return capture_draft_bucket(self.drafter, bucket, lambda: self._dummy_replay(bucket, kv, None),
+                                    self.graph_pool)
 
-        def warm_up():
-            return self._replay(bucket, kv, empty, empty, empty.view(0, 1), greedy, None, self.min_pages, None)
-        return capture_draft_bucket(self.drafter, bucket, warm_up, self.graph_pool)
+    def _dummy_replay(self, bucket: int, kv: KVCaches, runner: BlockPass | None) -> PaddedDraft:
+        """The bucket on dummies alone (what a capture runs first)."""
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        return self._replay(bucket, kv, empty, empty, empty.view(0, 1), _all_greedy(0, self.device), None,
+                            self.min_pages, runner)
 
     # ---- replay -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -215,15 +187,11 @@ class DraftGraphs:
 
 
 def build_draft_graphs(drafter: Drafter, graphs: StepGraphs, num_blocks: int, block_size: int,
-                       max_positions: int, max_num_seqs: int | None = None,
-                       fused: FusedDraft | None = None) -> DraftGraphs:
-    """The draft graphs of a worker whose target runs at `graphs`, in the same mode.
-
-    Request buckets reach the largest target token bucket (a drafted request puts at least its
-    anchor into the target step) capped at max_num_seqs and at one request per KV block; page
-    tables reach a request of `max_positions` tokens plus its block.
-    """
-    cap = min(graphs.buckets[-1], num_blocks, max_num_seqs or graphs.buckets[-1])
+                       max_positions: int, max_num_seqs: int, fused: FusedDraft | None) -> DraftGraphs:
+    """The draft graphs of a worker whose target runs at `graphs`, in the same mode. Request
+    buckets reach the largest token bucket (a drafted request puts its anchor into the target
+    step), max_num_seqs and one request per KV block; page tables, `max_positions` plus a block."""
+    cap = min(graphs.buckets[-1], num_blocks, max_num_seqs)
     slots = drafter.config.num_block_slots
     max_pages = min(num_blocks, -(-(max_positions + slots) // block_size))
     return DraftGraphs(drafter, graphs.mode, token_buckets(cap), graphs.device, block_size, max_pages,

@@ -1,12 +1,9 @@
 """The draft step's block pass as piecewise CUDA graphs (`--graph cuda`), one set per request bucket.
 
-As for the target (backends.py), the pass is cut at its attention calls, the one part whose
-shapes follow the context length L rather than the bucket. Each piece between them is one
-`torch.cuda.CUDAGraph` over static tensors: `Drafter.block_enter` (embeddings, rotary tables,
-layer 0's q/k/v), one `Drafter.block_transition` per layer, and the head (`block_outputs`: the
-γ draft rows, their base logits over the draft vocabulary, the Markov state). Attention runs
-eagerly between the pieces and writes into one static buffer the next piece reads. The Markov
-loop runs after the graphs, eagerly, because seeded rows draw noise of their own (sampler.NoiseKey).
+As for the target (backends.py), the pass is cut at its attention calls, whose shapes follow the
+context length L rather than the bucket: `Drafter.block_enter`, one `Drafter.block_transition`
+per layer, and the head (`block_outputs`), each one `torch.cuda.CUDAGraph`. The Markov loop runs
+after the graphs, eagerly, because seeded rows draw noise of their own (sampler.NoiseKey).
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from typing import Callable
 import torch
 
 from dspark.models.drafter import BlockState, Drafter, block_mask
-from dspark.runner.backends import CUDA_WARMUP_RUNS, CudaGraphPiece, PieceCapture
+from dspark.runner.backends import CudaGraphPiece, PieceCapture, warm_up_and_capture
 from dspark.runner.graphs import DUMMY_TOKEN_ID
 from dspark.spec.draft import block_outputs
 
@@ -27,11 +24,7 @@ logger = logging.getLogger(__name__)
 
 class DraftPieces:
     """One request bucket's block pass, callable as `block_pass` is (spec/draft.py: `run_block`).
-
-    The pieces read only static tensors: this bucket's `block_ids`, `positions` and `anchors`
-    (refreshed in place at every call), the previous piece's outputs and `attn_in`. The head's
-    outputs are returned as copies, because any later replay in the shared pool overwrites them.
-    """
+    As PiecewiseRunner: static inputs refreshed in place, the head's outputs returned as copies."""
 
     def __init__(self, drafter: Drafter, rows: int, capture: PieceCapture):
         cfg = drafter.config
@@ -70,17 +63,9 @@ class DraftPieces:
 
 
 def capture_draft_bucket(drafter: Drafter, rows: int, warm_up: Callable[[], object], pool) -> DraftPieces:
-    """Run `warm_up` (the bucket's eager draft step on dummies, writing nothing) on a side
-    stream, as PyTorch's CUDA-graph recipe asks (lazy kernel and cuBLAS initialisation must not
-    happen inside a capture), then capture the bucket's pieces into the draft step's pool."""
-    device = drafter.fc.weight.device
-    with torch.inference_mode():
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(CUDA_WARMUP_RUNS):
-                warm_up()
-        torch.cuda.current_stream(device).wait_stream(side)
-        pieces = DraftPieces(drafter, rows, lambda fn: CudaGraphPiece(fn, pool))
+    """`warm_up` (the bucket's eager draft step on dummies, writing nothing), then the bucket's
+    pieces captured into the draft step's pool."""
+    pieces = warm_up_and_capture(drafter.fc.weight.device, warm_up,
+                                 lambda: DraftPieces(drafter, rows, lambda fn: CudaGraphPiece(fn, pool)))
     logger.debug("captured the %d-request draft bucket as %d CUDA graphs", rows, len(pieces.pieces) + 1)
     return pieces

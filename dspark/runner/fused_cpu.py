@@ -1,14 +1,11 @@
 """The decoder stack of a small bf16 step as one kernel call per layer, on x86 CPUs with
 AVX512-BF16 (projections and scores through AMX tiles where the CPU has them).
 
-A decode or verify step of a few rows spends as long between its projections as in them: the
-norms, the rotary embedding, the K/V write and the residual adds are some forty small operators
-per layer, a few microseconds of dispatch each, and torch.compile trades them for guard checks
-and a wrapper call per compiled piece. `cpu_kernels`' decoder_layer_bf16 runs a whole layer
-(norms, projections, rotary, K/V write, paged attention, SiLU gate) in one call, rounding to
-bf16 where the modules round. The runner hands it every step it can take (StepGraphs.run): at
-most `cpu_kernels.MAX_ROWS` rows (bucket padding included), attention by the in-place kernel,
-one attention group. The graph backends still own the larger steps.
+A decode or verify step of a few rows spends as long between its projections (some forty small
+operators per layer) as in them; decoder_layer_bf16 runs a whole layer in one call, rounding to
+bf16 where the modules round (docs/internals.md, "One kernel call per layer"). StepGraphs.run
+hands it every step of at most `cpu_kernels.MAX_ROWS` rows (padding included) in one attention
+group; the graph backends own the larger steps.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from dspark.models.layers.attention import AttentionMetadata
 if TYPE_CHECKING:
     from dspark.models.drafter import DraftLayer, Drafter
     from dspark.models.llama import CausalLM, DecoderLayer
-
 
 
 @dataclass(frozen=True)

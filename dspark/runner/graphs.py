@@ -1,16 +1,10 @@
 """Graph buckets: the target's decoder stack run at a few padded, static token counts.
 
-A step of T live tokens runs at the smallest bucket B >= T (the bucket is the graph key). Rows
-T..B-1 are dummies: token 0 at position 0, marked past `AttentionMetadata.num_tokens`, so they
-write no K/V and attend to nothing (attention is the one part that stays eager, on the live rows
-only, `attend`), and their outputs are dropped. Inputs go through persistent per-bucket buffers
-refreshed in place at every replay, the padding rows included, so a batch that shrinks leaves
-no stale row behind. The logits tail runs after the graph on the rows that sample.
-
-Backends share this path: `eager` (the padded path as plain PyTorch, for tests and debugging),
-`compile` (the stack's pieces compiled per bucket, attention eager between them) and `cuda` (piecewise CUDA graphs, NVIDIA only; runner/backends.py). `auto` is resolved before a
-StepGraphs is built (runner/choice.py). Steps larger than the largest bucket run eagerly and are
-counted; so are buckets whose capture failed when the engine was told to fall back.
+A step of T live tokens runs at the smallest bucket B >= T (the graph key); rows T..B-1 are
+dummies (token 0 at position 0, past `AttentionMetadata.num_tokens`: no K/V write, no attention,
+outputs dropped), refreshed in place at every replay so that a shrinking batch leaves no stale
+row. The backends (`eager`, `compile`, `cuda`: runner/backends.py) share this path; steps above
+the largest bucket run unpadded and are counted. docs/graphs.md has the whole design.
 """
 
 from __future__ import annotations
@@ -32,15 +26,10 @@ DUMMY_TOKEN_ID = 0
 DUMMY_POSITION = 0
 
 
-def token_buckets(max_tokens: int, smallest: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
+def token_buckets(max_tokens: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to 64, of 16 up to 128 and of 32 up to 256, then powers of
-    two, up to max_tokens (included).
-
-    Past 64 rows a step leaves the fused layer kernel (runner/fused_cpu.py) for the graphs, a jump of
-    its own that then grows slowly with the row count, so a mixed step of one prompt and a few
-    decode or verify rows would pay mostly for padding in a 128-row bucket. Each bucket more
-    adds its compilation to start-up, hence the coarser steps further up (docs/measurements.md)."""
-    sizes = {b for b in smallest if b <= max_tokens}
+    two, up to max_tokens (included); why this spacing: docs/graphs.md, "Buckets"."""
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_tokens}
     low = 8
     for step, top in ((8, 64), (16, 128), (32, 256)):
         sizes |= set(range(low + step, min(top, max_tokens) + 1, step))
@@ -55,10 +44,21 @@ def token_buckets(max_tokens: int, smallest: tuple[int, ...] = (1, 2, 4, 8)) -> 
 
 @dataclass
 class GraphStats:
+    """What a StepGraphs or DraftGraphs ran (RunnerStats gathers them)."""
     replays: dict[int, int] = field(default_factory=dict)    # bucket -> steps run at it
-    eager_steps: int = 0            # steps above the largest bucket (run unpadded)
+    eager_steps: int = 0            # steps above the largest bucket or the buffers (run unpadded)
     capture_fallbacks: int = 0      # buckets run eagerly because their capture failed
-    fused_steps: int = 0            # steps the fused CPU layer kernel ran (runner/fused_cpu.py)
+    fused_steps: int = 0            # target steps the fused CPU layer kernel ran (runner/fused_cpu.py)
+
+
+def check_graph_setup(mode: str, device: torch.device, buckets: list[int], unit: str) -> None:
+    """A known mode, CUDA graphs only on an NVIDIA GPU, increasing positive buckets."""
+    if mode not in ("cuda", "compile", "eager"):
+        raise ValueError(f"graph mode must be one of cuda, compile, eager; got {mode!r}")
+    if mode == "cuda" and not (device.type == "cuda" and torch.cuda.is_available()):
+        raise ValueError("--graph cuda needs an NVIDIA GPU; use compile or eager on this device")
+    if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
+        raise ValueError(f"buckets must be increasing positive {unit} counts, got {buckets}")
 
 
 class StepGraphs:
@@ -67,12 +67,7 @@ class StepGraphs:
     def __init__(self, model: CausalLM, mode: str, buckets: list[int], device: torch.device,
                  aux_layer_ids: tuple[int, ...] = (), fallback_to_eager: bool = False,
                  fused: FusedStack | None = None):
-        if mode not in ("cuda", "compile", "eager"):
-            raise ValueError(f"graph mode must be one of cuda, compile, eager; got {mode!r}")
-        if mode == "cuda" and not (device.type == "cuda" and torch.cuda.is_available()):
-            raise ValueError("--graph cuda needs an NVIDIA GPU; use compile or eager on this device")
-        if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
-            raise ValueError(f"buckets must be increasing positive token counts, got {buckets}")
+        check_graph_setup(mode, device, buckets, "token")
         self.model, self.mode, self.buckets, self.device = model, mode, list(buckets), device
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.fallback_to_eager = fallback_to_eager
@@ -88,10 +83,7 @@ class StepGraphs:
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket holding `num_tokens` rows (None: larger than every bucket)."""
-        for b in self.buckets:
-            if b >= num_tokens:
-                return b
-        return None
+        return next((b for b in self.buckets if b >= num_tokens), None)
 
     # ---- capture ------------------------------------------------------------------------------
     def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
@@ -152,8 +144,7 @@ def capture_largest_first(buckets: list[int], build, runners: dict, fallback_to_
                           what: str, unit: str, show: bool = True) -> int:
     """runners[b] = build(b) for every bucket, largest first (smaller ones reuse its memory). A
     failure is a start-up error naming the bucket, or with `fallback_to_eager` a None runner
-    (eager), warned; -> the number of such fallbacks. Compiling every bucket takes a minute or
-    more on a CPU, so `show` puts up a progress bar."""
+    (eager), warned; -> the number of such fallbacks. `show`: a progress bar (compiling is slow)."""
     fallbacks = 0
     for b in tqdm(sorted(buckets, reverse=True), desc=f"{what}: {unit} buckets", disable=not show):
         try:

@@ -56,8 +56,8 @@ class RunnerStats:
 class Runner:
     """The forwards of one worker, at the backend chosen at start-up."""
 
-    def __init__(self, model: CausalLM, graphs: StepGraphs, drafter: Drafter | None = None,
-                 fused_draft: FusedDraftStack | None = None, max_num_seqs: int | None = None):
+    def __init__(self, model: CausalLM, graphs: StepGraphs, drafter: Drafter | None,
+                 fused_draft: FusedDraftStack | None, max_num_seqs: int):
         self.model, self.graphs, self.drafter = model, graphs, drafter
         self.fused_draft = fused_draft
         self.max_num_seqs = max_num_seqs
@@ -71,7 +71,7 @@ class Runner:
         `torch.set_num_threads` the next step would recompile past its limit and fail every
         request in it. Refused before a step is scheduled instead, naming the fix."""
         now = torch.get_num_threads()
-        if now != self.threads and self.mode == "compile":
+        if now != self.threads and self.graphs.mode == "compile":
             raise RuntimeError(
                 f"torch's CPU thread count changed from {self.threads} to {now} after the engine "
                 f"started, and its compiled graphs are specialised to {self.threads} threads: call "
@@ -79,16 +79,8 @@ class Runner:
                 f"num_threads={now}")
 
     @property
-    def mode(self) -> str:
-        return self.graphs.mode
-
-    @property
     def fused(self) -> FusedStack | None:
         return self.graphs.fused
-
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        return self.graphs.aux_layer_ids
 
     def capture(self, kv_caches: KVCaches, draft_kv: KVCaches | None, num_blocks: int,
                 block_size: int) -> None:
@@ -114,14 +106,13 @@ class Runner:
         return self.graphs.run(*args, bucket=key.tokens, use_runner=key.captured)
 
     def draft(self, draft_kv: KVCaches, anchors: torch.Tensor, starts: torch.Tensor,
-              block_tables: torch.Tensor, st: SamplingTensors, request_ids: list[str] | None = None,
-              key: StepKey | None = None) -> DraftProposal:
+              block_tables: torch.Tensor, st: SamplingTensors, key: StepKey | None = None) -> DraftProposal:
         """anchors/starts [R], block_tables [R, W] -> γ drafts per request, at their request
         bucket; a data-parallel `key` forces the padded shape."""
         bucket = width = None
         if key is not None and key.draft_reqs in self.draft_graphs.buffers:   # else above every bucket
             bucket, width = key.draft_reqs, key.table_width
-        return self.draft_graphs.run(draft_kv, anchors, starts, block_tables, st, request_ids,
+        return self.draft_graphs.run(draft_kv, anchors, starts, block_tables, st,
                                      bucket=bucket, table_width=width).proposal
 
     def append_context(self, draft_kv: KVCaches, aux_hidden: torch.Tensor, positions: torch.Tensor,

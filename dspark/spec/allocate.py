@@ -15,11 +15,8 @@ import torch
 
 
 def allocate(survival: torch.Tensor, budget: int) -> torch.Tensor:
-    """survival [R, γ] -> verify lengths ℓ [R] (long, on the same device) with Σℓ = min(B, R·γ).
-
-    No host synchronisation: `budget` is a host int fixed before the step, everything else stays
-    on the device.
-    """
+    """survival [R, γ] -> verify lengths ℓ [R] (long, on the same device) with Σℓ = min(B, R·γ),
+    without a host sync: `budget` is a host int fixed before the step."""
     r, gamma = survival.shape
     budget = max(0, min(budget, r * gamma))
     order = torch.sort(survival.flatten(), descending=True, stable=True).indices[:budget]

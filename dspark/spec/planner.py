@@ -1,15 +1,10 @@
 """The plan of a step: which requests draft and how many drafted tokens are verified in total.
 
 Step cost is far from linear in the tokens verified (graph buckets, GEMM tiles, a per-step
-floor), so plans are priced with a measured cost table: over draft sets (a drafter pass for r
-requests costs draft_cost[r]; r = 0 is a plain step) and budgets b, the plan maximising
-
-    (N_sampling + Σ_{i<b} S_i) / (draft_cost[r] + verify_cost[T_other + b])
-
-over the sorted survivals S of an earlier step (reference/dspark_algorithm.md §7.4, §7.6).
-Which slots fill the budget is decided on the device from the current survivals (allocate.py).
-It runs on the host between steps over a few hundred numbers, hence numpy: torch's per-operator
-dispatch is a visible share of a small step (docs/measurements.md).
+floor), so plans are priced with a measured cost table (docs/speculation.md, "The plan";
+reference/dspark_algorithm.md §7.4, §7.6); which slots fill the budget is decided on the device
+(allocate.py). It runs on the host over a few hundred numbers, hence numpy: torch's per-operator
+dispatch is a visible share of a small step.
 """
 
 from __future__ import annotations
@@ -23,15 +18,13 @@ import torch
 FORMAT = 2                # 2: verify costs per request count
 MEMO_ENTRIES = 256        # remembered results per cost list (a step's shapes repeat under steady load)
 
+
 @dataclass
 class CostTable:
-    """Measured step costs (milliseconds) of one target + drafter on one device.
-
-    A step's cost depends on how many requests share its tokens, not on the tokens alone: each
-    request reads its own K/V context, so many one-token rows cost more than a few blocks of the
-    same tokens (docs/measurements.md). Verify costs are therefore measured per request count (a row of the table for
-    each count in `verify_requests`, interpolated between them); a plan compares steps of one
-    request count, its drafts adding tokens to the step's row."""
+    """Measured step costs (milliseconds) of one target + drafter on one device. Verify costs
+    have a row per request count in `verify_requests` (interpolated between them): each request
+    reads its own K/V context, so many one-token rows cost more than a few blocks of the same
+    tokens."""
     fingerprint: dict              # device, model, dtype, drafter, buckets: a table fits one setup
     verify_ms: list                # [N][T_max + 1] target step of verify_requests[n] requests over t
                                    #   tokens (index 0 unused); a flat list: one row, any count
@@ -56,34 +49,24 @@ class CostTable:
             raise ValueError("a cost table needs verify costs for t >= 1 and draft costs for r >= 1")
         if any(not c > 0 for row in self.verify_ms for c in row[1:]) or any(not c > 0 for c in self.draft_ms[1:]):
             raise ValueError("cost table entries must be positive")
-        self._arrays: dict[str, tuple[list, np.ndarray]] = {}
-        self._memo: dict[str, dict] = {}          # per list: read-only results by their arguments
-
-    def _costs(self, name: str) -> np.ndarray:
-        """The list `name` as an array, converted once per list (the planner prices every step).
-        A list assigned anew is converted again (and what was computed from it dropped); entries
-        are not to be changed in place."""
-        costs = getattr(self, name)
-        cached = self._arrays.get(name)
-        if cached is None or cached[0] is not costs:
-            cached = (costs, np.asarray(costs, dtype=np.float64))
-            self._arrays[name] = cached
-            self._memo.pop(name, None)
-        return cached[1]
+        self._memo: dict[str, tuple[list, np.ndarray, dict]] = {}    # per list: (list, array, results)
 
     def _remembered(self, name: str, key, compute) -> np.ndarray:
-        """compute(costs array of `name`), kept by `key`: steady load asks for the same stretch of
-        the table every step, and between steps that stream the weights through the caches each
+        """compute(the list `name` as an array), read-only and kept by `key` while `name` is the
+        same list (one assigned anew is converted again; entries are never changed in place):
+        steady load prices the same stretch of the table every step, and between steps each
         small numpy call costs several microseconds."""
-        costs = self._costs(name)
-        memo = self._memo.setdefault(name, {})
-        result = memo.get(key)
+        costs = getattr(self, name)
+        memo = self._memo.get(name)
+        if memo is None or memo[0] is not costs:
+            memo = self._memo[name] = (costs, np.asarray(costs, dtype=np.float64), {})
+        results = memo[2]
+        result = results.get(key)
         if result is None:
-            if len(memo) >= MEMO_ENTRIES:
-                memo.clear()
-            result = compute(costs)
+            if len(results) >= MEMO_ENTRIES:
+                results.clear()
+            result = results[key] = compute(memo[1])
             result.setflags(write=False)
-            memo[key] = result
         return result
 
     @property
@@ -115,12 +98,8 @@ class CostTable:
     def draft_costs(self, sizes) -> np.ndarray:
         """Drafter cost for each request count in `sizes` (0 requests: no drafter pass)."""
         sizes = np.asarray(sizes, dtype=np.int64)
-
-        def compute(table: np.ndarray) -> np.ndarray:
-            costs = _extrapolated(table, 0, int(sizes.max()) + 1)
-            costs[0] = 0.0
-            return costs[sizes]
-        return self._remembered("draft_ms", (sizes.shape, sizes.tobytes()), compute)
+        return self._remembered("draft_ms", (sizes.shape, sizes.tobytes()), lambda table: np.where(
+            sizes > 0, _extrapolated(table, 0, int(sizes.max()) + 1)[sizes], 0.0))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -166,19 +145,15 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
               min_gain: float = 0.05, forced: list[bool] | None = None,
               prefer_verify_all: bool = True, joining_tokens: int = 0, step_ms: float = 0.0,
               draft_extra: np.ndarray | None = None) -> StepPlan:
-    """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan.
+    """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan
+    maximising tokens per millisecond (docs/speculation.md, "The plan").
 
     Candidate draft sets are the r requests with the most expected accepted drafts (Σ_k S_k),
-    plus every `forced` one; each gets its best budget and the best (set, budget) wins. With
-    `prefer_verify_all` the result is verify-all unless a plan gains at least `min_gain` in
-    tokens per millisecond over it; a plan that drafts must likewise gain `min_gain` over a plain
-    step. `other_tokens` are the step's tokens besides drafts (anchor and plain decode rows).
-    `joining_tokens` of prefill join whatever is drafted: drafts are priced at what they add on
-    top of them but judged against the plain decode step without them, since the prefill is
-    paid for by its own requests (docs/speculation.md, "The plan"). `step_ms` is what every
-    step costs beyond the table (host work the warm, isolated profile does not see): common to
-    all plans, it still favours those that commit more tokens a step. `draft_extra` [R] is
-    what drafting each request costs besides the drafter pass (its held context rows).
+    plus every `forced` one; each gets its best budget. With `prefer_verify_all` the result is
+    verify-all unless a plan gains `min_gain` over it; drafting must gain `min_gain` over a plain
+    step. `joining_tokens` of prefill join whatever is drafted: drafts are priced on top of them
+    but judged against the decode step without them. `step_ms` is every step's cost beyond the
+    table; `draft_extra` [R] is each request's cost besides the drafter pass (its held rows).
     """
     r_all, gamma = survival.shape
     full = r_all * gamma
@@ -189,15 +164,19 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
     must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
     extra = np.zeros(r_all) if draft_extra is None else np.asarray(draft_extra, dtype=np.float64)
-    verify = _verify_on_top(table, other_tokens, joining_tokens, full, max(1, num_sampling))     # [B]
+    requests = max(1, num_sampling)
+    verify = table.verify_costs(other_tokens, other_tokens + full + 1, requests)                # [B]
+    if joining_tokens > 0:                 # the decode step's cost plus what drafts add on top
+        start = other_tokens + joining_tokens
+        joined = table.verify_costs(start, start + full + 1, requests)
+        verify = joined - joined[0] + verify[0]
     verify = verify + step_ms
     plain_rate = num_sampling / verify[0]
     full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + extra.sum() + verify[full])
-    free = not must.any()                                  # no forced draft: the bound applies
-    bound = _drafting_bound(s, extra, table, num_sampling, verify) if free else 0.0
-    if prefer_verify_all and free and max(bound, plain_rate) < (1.0 + min_gain) * full_rate:
+    bound = np.inf if must.any() else _drafting_bound(s, extra, table, num_sampling, verify)
+    if prefer_verify_all and max(bound, plain_rate) < (1.0 + min_gain) * full_rate:
         return StepPlan(drafted=[True] * r_all, budget=full, full=full)    # nothing beats it enough
-    if free and bound < (1.0 + min_gain) * plain_rate:
+    if bound < (1.0 + min_gain) * plain_rate:
         rank, size, budget, best_rate = np.zeros(r_all, dtype=np.int64), 0, 0, plain_rate
     else:
         rank, size, budget, best_rate = _best_set(s, extra, must, table, num_sampling, verify,
@@ -207,25 +186,11 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
 
 
-def _verify_on_top(table: CostTable, other_tokens: int, joining_tokens: int, full: int,
-                   requests: int) -> np.ndarray:
-    """[full + 1] the verify cost of a step of `requests` decoding requests with b = 0..full
-    drafts: the decode step's own cost plus what the drafts add on top of `joining_tokens` of
-    prefill."""
-    if joining_tokens <= 0:
-        return table.verify_costs(other_tokens, other_tokens + full + 1, requests)
-    start = other_tokens + joining_tokens
-    joined = table.verify_costs(start, start + full + 1, requests)
-    return joined - joined[0] + table.verify_costs(other_tokens, other_tokens + 1, requests)[0]
-
-
 def _drafting_bound(s: np.ndarray, extra: np.ndarray, table: CostTable, num_sampling: int,
                     verify: np.ndarray) -> float:
-    """An upper bound on the tokens/ms of every draft set and budget at once: b verified drafts
-    yield at most the b best survivals of any request and cost at least a drafter pass over the
-    fewest requests that hold b slots, the cheapest of them. Under load most steps stay below
-    drafting's threshold by it (O(R·γ) instead of the O(R²·γ) of pricing every draft set,
-    docs/measurements.md), and at low load most stay below verify-all's."""
+    """An upper bound on the tokens/ms of every draft set and budget at once, in O(R·γ) where
+    pricing every set is O(R²·γ): b verified drafts yield at most the b best survivals of any
+    request and cost at least a drafter pass over the fewest, cheapest requests holding b slots."""
     if num_sampling <= 0:
         return np.inf
     gamma = s.shape[1]
@@ -273,11 +238,8 @@ def _best_set(s: np.ndarray, extra: np.ndarray, must: np.ndarray, table: CostTab
 
 def _set_prefix_sums(s: np.ndarray, rank: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """[C, R·γ + 1]: for each draft set (the sizes[c] requests of lowest rank), the sums of its b
-    largest survivals, b = 0..R·γ (members past the set's own slots add 0).
-
-    One sort of all R·γ survivals serves every set: a set's slots in descending order are the
-    global order's slots whose request belongs to it, so each set is a masked running sum
-    compacted by a scatter (cheaper than sorting each set's slots, docs/measurements.md)."""
+    largest survivals, b = 0..R·γ (past the set's own slots add 0). One sort serves every set: a
+    set's slots in descending order are the global order's slots it owns, compacted by a scatter."""
     r_all, gamma = s.shape
     n = r_all * gamma
     flat = np.asarray(s, dtype=np.float64).reshape(-1)

@@ -1,27 +1,17 @@
 """The speculation policy: which requests draft each step and how many drafts are verified.
 
-One object owns the decision. Inputs: each request's confidences from earlier rounds (STS
-calibrated), what rounds actually accepted, the step times the engine measures, and the cost
-model (a table of step costs measured on this machine, spec_setup.py). Output: a typed
-`StepPlan` that the scheduler applies (undrafted requests decode one plain token) and the worker
-consumes (the verify budget). Its state is keyed by request id; nothing of it lives on the
-requests.
-
-Every price is made from earlier steps only, so a plan cannot depend on the drafts it admits
-(which drafts fill the budget is decided on the device, allocate.py). Why each part is there,
-and the A/B runs that keep it: docs/speculation.md, "The speculation policy": the regression
-of realised acceptance on the lagged price (selection does not bias it, where ratio corrections
-did), the fade of a request's own evidence and of the population's toward an optimistic prior
-(so a few bad early rounds cannot stop drafting for good; it also replaces per-request probes)
-with trials that back off where they keep failing, the drafting cost learned online against
-plain steps, and plans kept at the two ends of the load.
+Inputs: each request's confidences from earlier rounds (STS calibrated), what rounds accepted,
+the step times the engine measures and the cost table (spec_setup.py). Output: a `StepPlan`. Its
+state is keyed by request id. Every price comes from earlier steps only, so a plan cannot depend
+on the drafts it admits (allocate.py picks them on the device). Why each part is there, and the
+A/B runs that keep it: docs/speculation.md, "The speculation policy".
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,11 +42,11 @@ class StepContext:
 
 @dataclass
 class _RequestState:
-    last_drafted: int                               # the policy's step count when it last drafted
-    drafted_at: int = 0                             # its context length then (its held rows start there)
-    history: deque = field(default_factory=deque)   # numpy [γ] calibrated survivals of recent rounds
-    priced: np.ndarray | None = None                # [γ] own survival the last drafted round was priced at
-    trial: bool = False                             # its drafted round is a trial (see _judge_trials)
+    last_drafted: int                   # the policy's step count when it last drafted
+    history: deque                      # numpy [γ] calibrated survivals of the last `lag` rounds
+    drafted_at: int = 0                 # its context length then (its held rows start there)
+    priced: np.ndarray | None = None    # [γ] own survival the last drafted round was priced at
+    trial: bool = False                 # its drafted round is a trial (see _judge_trials)
 
 
 class AcceptanceModel:
@@ -71,7 +61,6 @@ class AcceptanceModel:
         self.hits = np.zeros(gamma)          # population: Σ y over all verified rounds
         self.rounds = np.zeros(gamma)        # population: Σ rounds verified
         self.sums = np.zeros((5, gamma))     # regression: Σ 1, x, y, x², xy (rounds with a price)
-        self._derived: tuple[np.ndarray, ...] | None = None
 
     def observe(self, x: np.ndarray | None, verified: int, accepted: int) -> None:
         if verified <= 0:
@@ -84,35 +73,26 @@ class AcceptanceModel:
             xv = np.asarray(x[:verified], dtype=np.float64)
             terms = np.stack([np.ones(verified), xv, y, xv * xv, xv * y])
             self.sums[:, v] = self.round_decay * self.sums[:, v] + terms
-        self._derived = None
 
     def fade(self, factor: float) -> None:
         """Evidence ages with time, not only with rounds: toward the optimistic prior."""
         self.hits *= factor
         self.rounds *= factor
         self.sums *= factor
-        self._derived = None
-
-    def _derive(self) -> tuple[np.ndarray, ...]:
-        if self._derived is None:
-            mean = np.minimum.accumulate((self.prior + self.hits) / (self.prior + self.rounds))
-            n, sx, sy, sxx, sxy = self.sums
-            m = np.maximum(n, 1e-9)
-            var, cov = sxx - sx * sx / m, sxy - sx * sy / m
-            slope = np.clip((cov + self.ridge) / (var + self.ridge), 0.0, 1.0)
-            x_mean = (self.prior + sx) / (self.prior + n)       # a prior round at x = y = 1
-            y_mean = (self.prior + sy) / (self.prior + n)
-            self._derived = (mean, slope, x_mean, y_mean)
-        return self._derived
 
     @property
     def mean(self) -> np.ndarray:
         """[γ] the population's acceptance per position, non-increasing."""
-        return self._derive()[0]
+        return np.minimum.accumulate((self.prior + self.hits) / (self.prior + self.rounds))
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """[R, γ] prices -> expected acceptance per position, in [0, 1]."""
-        _, slope, x_mean, y_mean = self._derive()
+        n, sx, sy, sxx, sxy = self.sums
+        m = np.maximum(n, 1e-9)
+        var, cov = sxx - sx * sx / m, sxy - sx * sy / m
+        slope = np.clip((cov + self.ridge) / (var + self.ridge), 0.0, 1.0)
+        x_mean = (self.prior + sx) / (self.prior + n)       # a prior round at x = y = 1
+        y_mean = (self.prior + sy) / (self.prior + n)
         return np.clip(y_mean + slope * (x - x_mean), 0.0, 1.0)
 
 
@@ -124,8 +104,7 @@ class SpecPolicy:
             raise ValueError(f"the confidence lag must be >= 1 round, the half-lives > 0 and "
                              f"max_kept >= 0, got {lag}, {half_life}, {evidence_half_life} and {max_kept}")
         self.table, self.gamma, self.lag, self.min_gain = table, gamma, lag, min_gain
-        self.half_life = half_life
-        self.evidence_half_life = evidence_half_life
+        self.half_life, self.evidence_half_life = half_life, evidence_half_life
         self.backoff = 1                 # the evidence half-life's multiple: doubles per failed trial
         self.awaiting: set[str] = set()  # requests whose trial round was recorded: the next plan judges
         self.fade = 0.5 ** (1.0 / evidence_half_life)
@@ -135,10 +114,9 @@ class SpecPolicy:
         self.requests: dict[str, _RequestState] = {}
         self.oversize_steps = 0          # steps larger than the table: priced by extrapolation
         self.overhead = DraftOverhead(table)
-        self.max_kept = max_kept
         self.steps = 0                   # plans made, priced or kept
         self.kept_plans = 0              # plans kept without pricing (stats)
-        self._steady = _Steady()
+        self._steady = _Steady(longest=max_kept)
 
     # ---- what happened ------------------------------------------------------------------------
     def record(self, request_id: str, confidence_logits: list[float], verified: int, accepted: int) -> None:
@@ -150,9 +128,8 @@ class SpecPolicy:
         if state.trial:
             self.awaiting.add(request_id)
             state.trial = False
-        state.history.append(self.survival_of(confidence_logits))
-        while len(state.history) > self.lag:
-            state.history.popleft()
+        z = np.asarray(confidence_logits, dtype=np.float64)
+        state.history.append(host_survival(z, self.temperatures, self.offsets))
 
     def observe_step(self, plan: StepPlan, requests: int, tokens: int, seconds: float) -> None:
         """A decode step ran (no prefill in it): its measured time against its table price."""
@@ -161,10 +138,9 @@ class SpecPolicy:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    def survival_of(self, confidence_logits) -> np.ndarray:
-        """[γ] raw confidences of one round -> cumulative survival, STS applied."""
-        z = np.asarray(confidence_logits, dtype=np.float64)
-        return host_survival(z, self.temperatures, self.offsets)
+    def keep_plans(self, steps: int) -> None:
+        """Keep plans at either end for up to `steps` steps from now on (0: price every step)."""
+        self._steady.longest, self._steady.until = steps, 0
 
     # ---- the decision -------------------------------------------------------------------------
     def plan(self, candidates: list[Candidate], step: StepContext) -> StepPlan:
@@ -178,8 +154,7 @@ class SpecPolicy:
             self.kept_plans += 1
             self._judge_trials(candidates, kept.drafted)
             if kept.budget:
-                states = [self._state(c.request_id) for c in candidates]
-                self._drafted(candidates, states, [True] * len(candidates))
+                self._drafted(candidates, kept.drafted)
             return kept
         self._check_size(len(candidates), step)
         states = [self._state(c.request_id) for c in candidates]
@@ -196,23 +171,22 @@ class SpecPolicy:
         self._judge_trials(candidates, plan.drafted)
         for state, d in zip(states, plan.drafted):
             state.trial = d and state.last_drafted != self.steps - 1
-        self._drafted(candidates, states, plan.drafted)
-        self._steady.after(self.steps, candidates, plan, self.max_kept)
+        self._drafted(candidates, plan.drafted)
+        self._steady.after(self.steps, candidates, plan)
         return plan
 
-    def _drafted(self, candidates: list[Candidate], states: list[_RequestState], drafted: list[bool]) -> None:
+    def _drafted(self, candidates: list[Candidate], drafted: list[bool]) -> None:
         """A drafted request's own price is what its round will be judged against."""
-        for c, state, d in zip(candidates, states, drafted):
+        for c, d in zip(candidates, drafted):
+            state = self._state(c.request_id)
             if d:
                 state.last_drafted, state.drafted_at = self.steps, c.context_len
             state.priced = state.history[0] if d and state.history else None
 
     def _judge_trials(self, candidates: list[Candidate], drafted: list[bool]) -> None:
-        """A trial is a request's first drafted round after a step without one; it pays when
-        the next plan drafts the request again, on the evidence of that round. One that does
-        not doubles the evidence half-life (up to `MAX_BACKOFF` times): where drafting keeps
-        not paying, trials grow rare instead of costing a drafting step every few dozen. One
-        that pays resets it."""
+        """A trial (a request's first drafted round after a step without one) pays when the next
+        plan drafts the request again; one that does not doubles the evidence half-life, up to
+        `MAX_BACKOFF` times, so trials grow rare where drafting keeps not paying."""
         if not self.awaiting:
             return
         for c, d in zip(candidates, drafted):
@@ -221,15 +195,10 @@ class SpecPolicy:
         self.fade = 0.5 ** (1.0 / (self.evidence_half_life * self.backoff))
         self.awaiting.clear()                  # a request that left before its verdict has none
 
-    def keep_plans(self, steps: int) -> None:
-        """Keep plans at either end for up to `steps` steps from now on (0: price every step)."""
-        self.max_kept = steps
-        self._steady.until = 0
-
     def _state(self, request_id: str) -> _RequestState:
         state = self.requests.get(request_id)
         if state is None:
-            state = self.requests[request_id] = _RequestState(last_drafted=self.steps)
+            state = self.requests[request_id] = _RequestState(self.steps, deque(maxlen=self.lag))
         return state
 
     def _prices(self, candidates: list[Candidate], states: list[_RequestState]
@@ -249,18 +218,15 @@ class SpecPolicy:
         return weight, survival
 
     def _held_rows(self, candidates: list[Candidate], states: list[_RequestState]) -> np.ndarray:
-        """[R] each request's held context rows (those of its steps since it last drafted; a
-        request that drafted last step has none). A plan spreads their append over the rounds
-        the request has left: its first draft after the prompt pays for context every later
-        round reads, while one about to finish pays it nearly in full for a round or two."""
+        """[R] each request's context rows held since it last drafted (none if it drafted last
+        step); the plan spreads their append over the rounds the request has left."""
         held = [0 if s.last_drafted == self.steps - 1 and s.drafted_at else c.context_len - s.drafted_at
                 for c, s in zip(candidates, states)]
         return np.maximum(np.asarray(held, dtype=np.float64), 0.0)
 
     def _check_size(self, num_requests: int, step: StepContext) -> None:
-        """A decode step the table does not reach is priced by extrapolation: say so once. A
-        prefill joining the step is not counted: its drafts are priced by what they add on top
-        of it, along the table's last slope, which is what that slope is for."""
+        """A decode step past the table is priced by extrapolation: say so once. A joining prefill
+        is not counted: drafts on top of it are priced along the table's last slope by design."""
         tokens = step.other_tokens + num_requests * self.gamma
         if num_requests <= self.table.max_requests and tokens <= self.table.max_tokens:
             return
@@ -272,11 +238,9 @@ class SpecPolicy:
 
 
 class DraftOverhead:
-    """What a step costs beyond its table price. Every decode step: the excess of recent plain
-    steps (`step_ms`, host work the profile does not see), added to every plan's steps. A
-    drafting step besides: its time over its price minus that same excess (load common to both
-    cancels), averaged; added to every drafter pass's price, never below the table. Without
-    plain steps to compare with (a request alone that always drafts) the table stands."""
+    """What a step costs beyond its table price, learned from decode steps: recent plain steps'
+    excess (`step_ms`, added to every plan) and a drafting step's excess over that, net of load,
+    added to every drafter pass's price (docs/speculation.md, "What a drafting step really costs")."""
 
     def __init__(self, table: CostTable, plain_weight: float = 0.05, draft_weight: float = 0.1,
                  min_plain_steps: int = 8, resolution_ms: float = 0.05):
@@ -328,10 +292,10 @@ class DraftOverhead:
 
 @dataclass
 class _Steady:
-    """A plan at either end kept unpriced for a stretch of 1, 2, 4 ... `max_kept` steps, doubling
-    while priced plans agree: drafting nothing (ended by fewer candidates)
-    or verifying everything of a request alone (ended by a second candidate or a joining
-    prefill). Evidence fades over kept steps as over priced ones."""
+    """A plan at either end kept unpriced for a stretch of 1, 2, 4 ... `longest` steps, doubling
+    while priced plans agree: drafting nothing (ended by fewer candidates) or verifying all of a
+    request alone (ended by a second candidate or a joining prefill)."""
+    longest: int            # the longest stretch (0: price every step)
     kind: str = ""          # "none", "all" or "" (nothing kept)
     until: int = 0          # last step of the stretch
     length: int = 0         # its length; doubles while priced plans give the same answer
@@ -349,23 +313,20 @@ class _Steady:
             return StepPlan(drafted=[True] * n, budget=full, full=full, predicted_accepted=self.expected * n)
         return None
 
-    def after(self, step: int, candidates: list[Candidate], plan: StepPlan, longest: int) -> None:
+    def after(self, step: int, candidates: list[Candidate], plan: StepPlan) -> None:
         """A priced plan: at an end, a stretch twice the last at the same end; else none."""
         kind = "none" if not any(plan.drafted) else "all" if plan.verify_all and len(candidates) == 1 else ""
         same = kind and kind == self.kind
-        self.length = min(longest, 2 * self.length if same else 1) if kind else 0
+        self.length = min(self.longest, 2 * self.length if same else 1) if kind else 0
         self.kind, self.until, self.candidates = kind, step + self.length, len(candidates)
         self.expected = plan.predicted_accepted / max(1, len(candidates))
 
 
 def _one_exploration(candidates: list[Candidate], weight: np.ndarray, held: np.ndarray,
                      survival: np.ndarray, prefill: bool) -> None:
-    """At most one request without fresh evidence of its own (never drafted, or not within a
-    half-life) may draft in a step, and none in a step a prefill joins: the one priced highest,
-    then the one with the fewest held context rows (its first draft appends them all). Trying
-    every such request at once under load cost a step several times a plain one (the held rows
-    of all of them appended) to learn what one round teaches the population: after one bad
-    round the next plan knows."""
+    """At most one request without fresh evidence of its own (weight under one half-life's) may
+    draft in a step, and none in a step a prefill joins: the one priced highest, then holding the
+    fewest context rows (trying all at once appends all their rows to learn what one round does)."""
     stale = [i for i in range(len(candidates)) if weight[i] < 0.5]
     if not stale or prefill:
         survival[stale] = 0.0

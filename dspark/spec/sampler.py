@@ -53,7 +53,14 @@ class SamplingTensors:
             greedy_host=greedy)
 
     def repeat(self, n: int) -> "SamplingTensors":
-        return repeat_rows(self, n)
+        """Each request's parameters for n consecutive rows (a verify block); row j of a seeded
+        request's block samples the token j places after its key's."""
+        rep = lambda x: None if x is None else x.repeat_interleave(n, dim=0)  # noqa: E731
+        return SamplingTensors(temperature=rep(self.temperature), top_k=rep(self.top_k),
+                               top_p=rep(self.top_p), min_p=rep(self.min_p),
+                               greedy=rep(self.greedy), all_greedy=self.all_greedy,
+                               keys=[None if k is None else k.at(j) for k in self.keys for j in range(n)],
+                               greedy_host=[g for g in self.greedy_host for _ in range(n)])
 
     def select(self, rows: list[int]) -> "SamplingTensors":
         """The parameters of a subset of rows (e.g. the speculative requests of a mixed step)."""
@@ -67,20 +74,6 @@ class SamplingTensors:
                                all_greedy=self.all_greedy or all(self.greedy_host[i] for i in rows),
                                keys=[self.keys[i] for i in rows],
                                greedy_host=[self.greedy_host[i] for i in rows])
-
-
-def _rep(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    return None if x is None else x.repeat_interleave(n, dim=0)
-
-
-def repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
-    """Each request's parameters for n consecutive rows (a verify block); row j of a seeded
-    request's block samples the token j places after its key's."""
-    return SamplingTensors(temperature=_rep(st.temperature, n), top_k=_rep(st.top_k, n),
-                           top_p=_rep(st.top_p, n), min_p=_rep(st.min_p, n),
-                           greedy=_rep(st.greedy, n), all_greedy=st.all_greedy,
-                           keys=[None if k is None else k.at(j) for k in st.keys for j in range(n)],
-                           greedy_host=[g for g in st.greedy_host for _ in range(n)])
 
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -118,13 +111,9 @@ CANDIDATES = 256   # truncation first looks at the top candidates only; exact wh
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask tokens outside top-k / top-p with -inf.
-
-    Sorting the whole vocabulary for every row dominates a sampled decode step, so the top
-    CANDIDATES logits are examined first: when every row's kept set ends inside them (top-k
-    within them and the top-p mass reached), the result is exact; otherwise the full sort runs.
-    A GPU sorts at once: asking whether the candidates suffice would wait for the device.
-    """
+    """Mask tokens outside top-k / top-p with -inf. Sorting the whole vocabulary dominates a
+    sampled decode step, so the top CANDIDATES logits are tried first (exact when every row's
+    kept set ends inside them); a GPU sorts at once, since asking would wait for the device."""
     truncated = None if logits.device.type == "cuda" else _candidate_truncation(logits, top_k, top_p)
     if truncated is not None and bool(truncated[2].all()):
         cand, index, _ = truncated
@@ -261,9 +250,8 @@ def seeded_exponentials(generator: torch.Generator, count: int, size: int, devic
                         columns: torch.Tensor | None = None) -> torch.Tensor:
     """What `count` calls of `empty(size).exponential_(generator=generator)` return, bit for bit,
     [count, size], or only `columns` of each row [count, C]. torch draws Exp(1) on the CPU as
-    -log1p(-U) of a double uniform U, serially: drawn as one block of uniforms, with the
-    logarithm vectorised and taken only where the caller looks, the same stream costs a fraction
-    (the per-element logarithm of `exponential_` dominated a seeded sampled draft round)."""
+    -log1p(-U) of a double uniform U, serially; drawn as one block, with the logarithm vectorised
+    and taken only where the caller looks, the same stream costs a fraction."""
     u = torch.rand((count, size), generator=generator, dtype=torch.float64, device=generator.device)
     if columns is not None:
         u = u.index_select(1, columns.to(u.device))

@@ -63,8 +63,6 @@ class STSCalibration:
             with open(path) as f:
                 raw = json.load(f)
             return cls(**raw)
-        except FileNotFoundError:
-            raise
         except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"{path!r} is not a valid STS calibration file: {e}") from e
 

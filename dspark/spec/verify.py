@@ -2,14 +2,12 @@
 seeded requests the same race on shared noise.
 
 At temperature > 0 draft x_j is accepted with probability min(1, p_{j-1}(x_j) / q_j(x_j)); at the
-first rejection the next token is drawn from the residual max(p - q, 0) (renormalised), and when
-every verified draft passes a bonus token is drawn from p.  A seeded request instead draws each
-position's token from p with that position's own noise (sampler.NoiseKey), which its drafter also
-raced on: a draft is accepted when it is that token, and the token after the accepted prefix is
-the target's own draw. Its text is then what plain decoding with the seed gives, whatever was
-drafted or verified; acceptance is that of a shared-noise coupling (at least (1-TV)/(1+TV) per
-position, against 1-TV for rejection sampling).  Trimmed drafts (j > ℓ) are simply not verified.
-Everything stays on the device: no host sync until the step's single copy.
+first rejection the next token is drawn from the residual max(p - q, 0), and when every verified
+draft passes a bonus token is drawn from p. A seeded request accepts a draft when it is the token
+the target draws with that position's own noise (sampler.NoiseKey), which its drafter raced on,
+then takes the target's draw after the accepted prefix: its text is plain decoding's with the
+seed, whatever was verified (docs/speculation.md). Trimmed drafts (j > ℓ) are not verified.
+Nothing waits for the host until the step's single copy.
 """
 
 from __future__ import annotations

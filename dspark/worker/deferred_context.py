@@ -1,27 +1,19 @@
 """The drafter's context K/V of steps that draft nothing, appended only when a drafter reads it.
 
 Every row the target runs must reach the drafter's cache before the drafter next reads it, but
-not sooner. A step in which no request drafts (a prefill, or plain decode rows the confidence
-planner chose) leaves its rows here, and the next step that drafts appends them all before its
-drafter pass, in one call. Under load the planner may draft nothing for hundreds of steps, and
-many requests finish in between: their rows are dropped when their KV blocks are released, so a
-request that never drafts again never costs an append (appended at every step instead, they
-had cost a measurable share of plain decoding's time under load, docs/measurements.md). The
-rows live in one buffer that grows by doubling up to `max_bytes` (thousands of small held
-tensors, and the copies that join them, had slowed every large allocation of the step); when it
-is full, the rows of released blocks are dropped and, if at least half of it is still live,
-the rest are appended.
+not sooner: a step in which no request drafts (a prefill, or plain rows the policy chose) leaves
+its rows here, and the next step that drafts appends, in one call, those in the blocks of the
+requests it drafts. Rows of released blocks are dropped, so a request that never drafts again
+never costs an append (docs/measurements.md). The rows live in one buffer that doubles up to
+`max_bytes` (thousands of small held tensors had slowed every large allocation); when it is
+full, dropped rows go and, if half of it is still live, the rest are appended.
 
-Order is what keeps this exact: the rows are appended in the order their steps ran, so a slot
-that was freed and handed to another request ends with its new owner's K/V, as it would have
-with every append on time. A row is dropped only when its block was released after the row was
-held; a block released and handed on keeps its new owner's rows. So after dropping, every held
-row of a block is its current owner's, and a drafting step appends only the rows in the blocks
-of the requests it drafts: the drafter reads no other request's cache, and the rows left held
-are positions their owners never write again (a held row is a prompt or a plain decode row,
-never a draft that could be rejected and rewritten), so a later step's direct append of other
-positions cannot be undone by them. Under load one request tried now and then no longer pays
-for appending every other request's held rows.
+Order keeps this exact: rows are appended in the order their steps ran, so a slot freed and
+handed to another request ends with its new owner's K/V, and a row is dropped only when its
+block was released after it was held. So every held row of a block is its current owner's, the
+drafter reads no other request's cache, and the rows left held are positions their owners never
+write again (prompt or plain decode rows, never a draft that could be rejected), so a later
+direct append of other positions cannot be undone by them.
 """
 
 from __future__ import annotations
@@ -44,9 +36,6 @@ FIRST_ROWS = 256                 # the buffer's first size; it doubles as steps 
 class DeferredContext:
     def __init__(self, num_blocks: int, block_size: int, device: torch.device,
                  max_bytes: int = DEFAULT_MAX_BYTES):
-        if max_bytes < 1 or num_blocks < 1 or block_size < 1:
-            raise ValueError(f"max_bytes, num_blocks and block_size must be >= 1, got {max_bytes}, "
-                             f"{num_blocks} and {block_size}")
         self.max_bytes = max_bytes
         self.block_size = block_size
         self.device = device
@@ -96,9 +85,7 @@ class DeferredContext:
     def make_room(self, append: Append) -> None:
         """Drop the rows of released blocks; append the rest if they still fill half the room."""
         self._compact()
-        if self.aux is None:
-            return
-        if 2 * self.num_rows >= self.max_rows(self.aux.shape[1], self.aux.element_size()):
+        if self.aux is not None and 2 * self.num_rows >= self.max_rows(self.aux.shape[1], self.aux.element_size()):
             self.flush(append)
 
     def flush(self, append: Append, blocks: torch.Tensor | None = None) -> int:

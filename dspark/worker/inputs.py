@@ -9,6 +9,7 @@ for the work already queued on the device, and a step has a dozen such tensors.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +51,7 @@ def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.devi
     ctx_lens = [s + q for s, q in zip(starts, q_lens)]
     ids = [t for c in chunks for t in c.token_ids]
     positions = [c.start + j for c in chunks for j in range(len(c.token_ids))]
-    indptr = [0]
-    for q in q_lens:
-        indptr.append(indptr[-1] + q)
+    indptr = list(itertools.accumulate(q_lens, initial=0))
     logits = [i for c, begin, end in zip(chunks, indptr, indptr[1:])
               for i in (*(begin + r for r in c.prompt_rows), *range(end - c.num_logits, end))]
     tables = _padded_tables(chunks)
@@ -60,9 +59,7 @@ def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.devi
     every_row = [c.num_logits == len(c.token_ids) for c in chunks]          # decode and verify rows
     attn = _metadata(q_lens, every_row, starts, ctx_lens, tables, slots, block_size, sliding_window,
                      in_place_keys=device.type == "cpu")
-    if varlen is None:
-        varlen = device.type == "cuda"
-    if varlen:
+    if varlen or (varlen is None and device.type == "cuda"):
         attn = dataclasses.replace(attn, varlen=_varlen_metadata(indptr, ctx_lens, tables, block_size,
                                                                  sliding_window))
     long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
@@ -137,20 +134,16 @@ def _metadata(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_l
 def _parts(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens: list[int],
            tables: torch.Tensor, block_size: int, window: int | None, in_place_keys: bool
            ) -> tuple[AttentionPart, ...] | None:
-    """Decode rows and verify blocks (chunks that sample at every row) with short prefill chunks
-    as the first group, long prefill chunks as the second, when a step has both: each group is
-    padded to its own longest query and context, and the first stays within what the CPU
-    attention kernel reads in place. One padded call would pad every verify block of a step a
-    prompt joins to the prompt's chunk, which costs more attention than the prompt's chunks alone
-    (docs/measurements.md). Every speculative chunk is in the first group."""
+    """Decode rows, verify blocks and short prefill chunks as the first group, long prefill
+    chunks as the second, when a step has both: each group padded to its own longest query and
+    context, so a prompt joining the step does not pad every verify block to its chunk
+    (docs/measurements.md), and the first stays within what the CPU kernel reads in place."""
     first = [q < SPLIT_MIN_Q or every for q, every in zip(q_lens, every_row)]
     short = [i for i, f in enumerate(first) if f]
     chunked = [i for i, f in enumerate(first) if not f]
     if not short or not chunked:
         return None
-    offsets = [0]
-    for q in q_lens:
-        offsets.append(offsets[-1] + q)
+    offsets = list(itertools.accumulate(q_lens, initial=0))
     parts = []
     for group in (short, chunked):
         pick = lambda xs: [xs[i] for i in group]  # noqa: E731
@@ -162,7 +155,7 @@ def _parts(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens
 
 
 def _request_metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int], tables: torch.Tensor,
-                      block_size: int, window: int | None, in_place_keys: bool = True) -> AttentionMetadata:
+                      block_size: int, window: int | None, in_place_keys: bool) -> AttentionMetadata:
     """What attention needs of these requests (query padding, mask, block tables); no writes.
     in_place_keys: also each token's key range, which only the CPU kernel reads."""
     r, max_q, max_ctx = len(q_lens), max(q_lens), max(ctx_lens)

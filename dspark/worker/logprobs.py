@@ -1,12 +1,7 @@
 """Log-probabilities of committed and prompt tokens, computed on the device for the requests
-that ask for them.
-
-They are the target's raw log-probabilities: the log-softmax of its logits before temperature,
-top-k or top-p (vLLM's default `raw_logprobs` mode), read at the row that committed each token.
-A committed token's row is the same whether the token was drafted and accepted, recovered after a
-rejection or decoded plainly, so its log-probability does not depend on speculation. Each wanted
-row becomes [chosen token, its log-prob, top-k log-probs, top-k ids] and travels with the step's
-other results to the host (one wait for the device); a step in which nobody asks computes nothing here.
+that ask: the target's raw ones, read at the row that committed each token, so they do not
+depend on speculation (docs/serving.md, "Log-probabilities"). Each wanted row becomes [token,
+its log-prob, top-k log-probs, top-k ids] and travels with the step's other results to the host.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Repetition, presence and frequency penalties, logit biases and min_tokens, applied to every
 row that produces a token, on the device.
 
-A plain row extends the request's committed output. Row j of a speculative block extends the
-committed output plus the block's first j drafts, so its counts include those drafts: each row's
-adjusted logits are then exactly what plain decoding would see after the same prefix. Greedy
-verification compares the drafts with that row's argmax and rejection sampling compares the
-drafter's q with that row's adjusted p, so speculation stays lossless. The drafter itself samples
-from its own unadjusted q: rejection sampling corrects for any proposal, at some cost in
-acceptance.
-
-The semantics are vLLM's (and, for the repetition penalty, transformers'): min_tokens bans the
-stop tokens with -inf, then the bias is added, then the repetition penalty divides positive
-and multiplies negative logits of every token in the prompt or the output, and the frequency
-and presence penalties subtract `frequency * count + presence * (count > 0)` over output tokens.
-Log-probabilities are taken from the raw logits, never from these.
+Row j of a speculative block extends the committed output plus the block's first j drafts, so
+its counts include those drafts: each row's adjusted logits are exactly what plain decoding
+would see after the same prefix, and verification against them stays lossless. The drafter
+samples from its own unadjusted q (rejection sampling corrects for any proposal). The semantics
+and their order are vLLM's (the repetition penalty's, transformers'); log-probabilities are
+taken from the raw logits, never from these.
 """
 
 from __future__ import annotations

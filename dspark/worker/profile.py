@@ -1,18 +1,8 @@
-"""`dspark profile`: measure the step costs the speculation policy prices its plans with.
-
-Verify cost is timed for each request count (powers of two up to R_max) at every graph bucket up
-to T_max (and every Nth count past the largest), as the engine runs such a step: its inputs built
-and the target's forward at the bucket, the tokens spread over the requests as a verify budget
-spreads drafts (at most γ+1 rows each, the rest a prefill chunk joining them). The request
-count matters as much as the tokens: each request reads its own K/V context. Draft cost for
-every request count 1..R_max is what a step that drafts pays and a plain step does not: the
-worker's drafter pass, the verify lengths allocated and read back, the greedy acceptance of
-every block's rows and the drafter's context append of those rows (γ+1 each). A held context
-row (one a step that drafted nothing left for later) costs the slope of two appends, of the
-context length and an eighth of it. All at a realistic context length, median of N rounds that time every shape once
-each, after warm-up, then made monotone (a larger step never costs less: the noise of a shared
-machine must not make the planner chase phantom dips). The engine must be idle: profiling
-writes scratch K/V into blocks no request owns yet.
+"""`dspark profile`: measure the step costs the speculation policy prices its plans with
+(docs/speculation.md, "The cost model"): the target's forward at every graph bucket per request
+count, a drafting step's own work per request count, and one held context row. Shapes are timed
+in rounds at a realistic context length, then made monotone so that the planner never chases a
+phantom dip. The engine must be idle: profiling writes scratch K/V into blocks no request owns.
 """
 
 from __future__ import annotations
@@ -119,8 +109,7 @@ def _draft_fn(worker: Worker, num_requests: int, context_len: int, logits: torch
     st = SamplingTensors.build([SamplingParams(temperature=0.0)] * num_requests,
                                [None] * num_requests, worker.config.vocab_size, dev)
     verified = build_inputs(chunks, worker.block_size, dev, worker.config.sliding_window)
-    aux = torch.randn(num_requests * rows, len(worker.runner.aux_layer_ids) * worker.config.hidden_size,
-                      generator=torch.Generator().manual_seed(0)).to(dev, worker.kv_caches[0][0].dtype)
+    aux = _aux_hidden(worker, num_requests * rows)
     spec_idx = list(range(num_requests))
     caps = torch.full((num_requests,), rows - 1, device=dev)
     block_rows = torch.arange(num_requests * rows, device=dev).view(num_requests, rows)
@@ -146,11 +135,16 @@ def _append_fn(worker: Worker, rows: int):
     table = _tables(worker, 1, 0, rows)[0]
     attn = build_inputs([RequestChunk([1] * rows, 0, table, 0)], worker.block_size, dev,
                         worker.config.sliding_window).attn
-    aux = torch.randn(rows, len(worker.runner.aux_layer_ids) * worker.config.hidden_size,
-                      generator=torch.Generator().manual_seed(0)).to(dev, worker.kv_caches[0][0].dtype)
-    positions = torch.arange(rows, device=dev)
+    aux, positions = _aux_hidden(worker, rows), torch.arange(rows, device=dev)
     return lambda: worker.runner.append_context(worker.draft_kv, aux, positions, attn.write_rows,
                                                 attn.write_slots)
+
+
+def _aux_hidden(worker: Worker, rows: int) -> torch.Tensor:
+    """[rows, m*d] stand-in aux hidden states of the target, in the caches' dtype."""
+    width = len(worker.runner.graphs.aux_layer_ids) * worker.config.hidden_size
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(0)).to(
+        worker.device, worker.kv_caches[0][0].dtype)
 
 
 def _token_sizes(worker: Worker, cfg: ProfileConfig) -> list[int]:
@@ -158,9 +152,7 @@ def _token_sizes(worker: Worker, cfg: ProfileConfig) -> list[int]:
     staircase is exact), then every `token_stride`-th count past the largest bucket."""
     buckets = worker.runner.graphs.buckets
     inside = [b for b in buckets if b <= cfg.max_tokens]
-    start = max(inside, default=0)
-    beyond = range(start + cfg.token_stride, cfg.max_tokens + 1, cfg.token_stride) if inside else \
-        range(cfg.token_stride, cfg.max_tokens + 1, cfg.token_stride)
+    beyond = range(max(inside, default=0) + cfg.token_stride, cfg.max_tokens + 1, cfg.token_stride)
     return sorted({1, cfg.max_tokens, *inside, *beyond})
 
 
@@ -177,15 +169,13 @@ def monotone(costs: list[float]) -> list[float]:
 
 
 @torch.inference_mode()
-def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
-                   use_tqdm: bool = True) -> CostTable:
+def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict) -> CostTable:
     if worker.drafter is None:
         raise ValueError("profiling prices speculative steps: the engine needs a drafter")
     gamma = worker.drafter.config.block_size
     sizes, counts = _token_sizes(worker, cfg), request_counts(min(cfg.max_requests, cfg.max_tokens))
     shapes = [(r, t) for r in counts for t in sizes if r <= t <= _decode_top(r, gamma, sizes)]
-    bar = tqdm(total=3 * cfg.repeats, desc="measuring step costs (target, drafter, context)",
-               disable=not use_tqdm)
+    bar = tqdm(total=3 * cfg.repeats, desc="measuring step costs (target, drafter, context)")
     sync = torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None)
     timed = _timed_in_rounds([_verify_fn(worker, r, t, gamma, cfg.context_len) for r, t in shapes],
                              cfg, bar, sync)
@@ -207,9 +197,9 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict,
 
 def _decode_top(requests: int, gamma: int, sizes: list[int]) -> int:
     """The largest size timed for `requests` requests: the one holding every draft of them.
-    One request is timed at every size (past its drafts, prompts joining its step); more
-    requests only up to their drafts, since a joining prompt adds to a step of many about what
-    it adds to a step of one, and timing every size at every count takes minutes at start-up."""
+    One request is timed at every size (past its drafts, prompts joining its step); more only
+    up to their drafts, since a joining prompt adds to a step of many about what it adds to a
+    step of one, and timing every size at every count would slow start-up."""
     if requests == 1:
         return sizes[-1]
     return min((m for m in sizes if m >= requests * (gamma + 1)), default=sizes[-1])

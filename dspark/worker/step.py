@@ -26,7 +26,6 @@ class WorkerBatch:
     keys: list[NoiseKey | None]                   # [S] seeded sampling rows: their noise
     spec: list[bool]                              # [S] a speculative block?
     verify_budget: int | None = None              # drafts to verify in total (None: all of them)
-    request_ids: list[str] | None = None          # [S] (dummy rows are told apart)
     released_blocks: list[int] | None = None      # KV blocks freed since the last step
     prompt_logprobs: list[PromptLogprobRows] | None = None   # chunks returning prompt log-probs
 

@@ -46,10 +46,9 @@ class Worker:
         self.drafter = drafter
         self.sts_temperatures: torch.Tensor | None = None    # [γ] applied before allocation
         self.sts_offsets: torch.Tensor | None = None         # [γ]
-        self.draft_kv = None
         self.deferred = DeferredContext(num_blocks, block_size, device)   # rows of undrafted steps
-        if drafter is not None:
-            self.draft_kv = allocate_kv_cache(drafter.config, num_blocks, block_size, dtype, device)
+        self.draft_kv = None if drafter is None else allocate_kv_cache(
+            drafter.config, num_blocks, block_size, dtype, device)
         runner.capture(self.kv_caches, self.draft_kv, num_blocks, block_size)
 
     @torch.inference_mode()
@@ -63,8 +62,7 @@ class Worker:
         if blocks:
             drafting = {b for i in blocks for b in batch.sampling[i].block_table}
             self.deferred.flush(self._append, device_tensor(sorted(drafting), torch.long, self.device))
-            ids = [batch.request_ids[i] for i in blocks] if batch.request_ids is not None else None
-            proposal = self._draft(batch.sampling, blocks, st, ids, key)
+            proposal = self._draft(batch.sampling, blocks, st, key)
             batch, lens = self._verify_lengths(batch, blocks, proposal)
         layout = StepLayout.of(batch)
         inputs = build_inputs(batch.chunks, self.block_size, self.device, self.config.sliding_window)
@@ -77,11 +75,9 @@ class Worker:
 
     def _verify_lengths(self, batch: WorkerBatch, blocks: list[int],
                         proposal: DraftProposal) -> tuple[WorkerBatch, torch.Tensor]:
-        """[R_spec] drafts each block verifies: all of them, or under a verify budget the
-        allocator's choice from the current confidences. The lengths are read back and the
-        step laid out with the verified rows alone (its inputs are built after the drafter
-        pass): a layout padded to every draft with the unverified rows masked costs attention
-        and metadata for rows that are never read."""
+        """[R_spec] drafts each block verifies: all, or under a verify budget the allocator's
+        choice from the current confidences, read back so that the step's inputs hold the
+        verified rows alone (padded rows would cost attention, docs/measurements.md)."""
         sampling = batch.sampling
         caps = [len(sampling[i].token_ids) - 1 for i in blocks]
         cap_tensor = device_tensor(caps, torch.long, self.device)
@@ -148,7 +144,7 @@ class Worker:
         return survival.masked_fill(beyond, -1.0)
 
     def _draft(self, sampling: list[RequestChunk], spec_idx: list[int], st: SamplingTensors,
-               request_ids: list[str] | None = None, key: StepKey | None = None) -> DraftProposal:
+               key: StepKey | None = None) -> DraftProposal:
         """The drafter over the speculative requests (Runner.draft)."""
         chunks = [sampling[i] for i in spec_idx]
         anchors = device_tensor([c.token_ids[0] for c in chunks], torch.long, self.device)
@@ -156,7 +152,7 @@ class Worker:
         width = max(len(c.block_table) for c in chunks)
         tables = device_tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks],
                                torch.long, self.device)
-        return self.runner.draft(self.draft_kv, anchors, starts, tables, st.select(spec_idx), request_ids, key)
+        return self.runner.draft(self.draft_kv, anchors, starts, tables, st.select(spec_idx), key)
 
     def _place_drafts(self, inputs: StepInputs, layout: StepLayout, drafts: torch.Tensor) -> None:
         """Write each block's verified drafts [R, γ] into its input rows (after its anchor)."""

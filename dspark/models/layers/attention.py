@@ -1,13 +1,8 @@
-"""Attention over a paged KV cache, for any mix of prefill chunks and decode/verify rows.
-
-Tokens arrive flat (the ragged layout: T tokens of R requests, request r owning rows
-qo_indptr[r]:qo_indptr[r+1]).  Each layer writes its new K/V through the slot mapping, gathers
-every request's context from its pages into a padded [R, L] view and runs one masked SDPA call.
-The metadata is built once per step on the host and shared by all layers. bf16 steps of short
-queries (decode and verify rows) on CPUs with AVX512-BF16 skip the gather: dspark's kernel reads
-each token's keys in place (cpu_kernels.paged_attention, from `token_keys`). On CUDA, bf16 and
-fp16 steps skip the padding and the mask: FlashAttention's variable-length kernel takes the
-ragged rows as they are (varlen_attention.py, from `varlen`).
+"""Attention over a paged KV cache, for any mix of prefill chunks and decode/verify rows
+(docs/internals.md). Tokens arrive flat in the ragged layout; each layer writes its new K/V through
+the slot mapping, then attends: in place through dspark's CPU kernel (`token_keys`), through
+FlashAttention's variable-length kernel on CUDA (`varlen`), else over a padded gather with SDPA.
+The metadata is built once per step on the host and shared by all layers.
 """
 
 from __future__ import annotations
@@ -70,11 +65,8 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
            meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] -> [T, H*D]: store the live rows' K/V, attend over the pages.
-
-    Only the first `meta.num_tokens` rows are live; padding rows (a graph bucket's dummies) write
-    no K/V and attend to nothing, their output is zero. This is the one step part that runs
-    eagerly under a compiled or captured graph: its shapes follow the context, not the bucket.
-    """
+    Rows past `meta.num_tokens` (a bucket's padding) write nothing and output zeros. Eager under a
+    compiled or captured graph: its shapes follow the context, not the bucket."""
     t, live = q.shape[0], meta.num_tokens if meta.num_tokens is not None else q.shape[0]
     if live == 0:                        # an all-dummy step (capture warm-up, idle DP rank)
         return q.new_zeros(t, q.shape[1] * q.shape[2])
@@ -91,11 +83,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Te
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """One query per request: q [R, H, D], keys/values [R, KVH, L, D], mask [R, 1, 1, L] or None.
-
-    Two batched matmuls with the query heads grouped under their K/V head, with an fp32 softmax.
-    On CPUs the fused SDPA kernel is tuned for long queries; for single-row queries this is faster
-    in bf16, the more so the more requests share the step (docs/measurements.md).
-    """
+    Two batched matmuls (query heads grouped under their K/V head, fp32 softmax): on CPUs, faster
+    than the fused SDPA kernel, which is tuned for long queries (docs/measurements.md)."""
     r, h, d = q.shape
     kvh, length = keys.shape[1], keys.shape[2]
     scores = torch.matmul(q.view(r, kvh, h // kvh, d), keys.transpose(-1, -2)).float() * scale

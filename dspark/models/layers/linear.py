@@ -1,19 +1,10 @@
 """The projection layer every module uses, and its inference layout on CPUs.
 
-A decode step on a CPU is a chain of small matrix-vector products, so how fast the weights
-stream decides the step. oneDNN reads a bf16 weight in its own blocked layout much faster than
-the plain row-major layout `F.linear` hands it for the few-row products of decoding, and level
-with it at large row counts (docs/measurements.md); the results are bit-identical, because the
-kernel is the same and only the layout differs.
-`pack_linears` converts an inference model once after loading; training never packs, because a
-packed copy does not follow updates to the weight.
-
-Projections of a few rows go faster still through dspark's kernel (`cpu_kernels`), which reads
-its own tile-by-tile copy of the weight, kept beside the oneDNN copy on CPUs with AVX512-BF16.
-With AMX it takes up to 64 rows, over all of which its weight stream stays ahead of oneDNN's;
-without, its dot products take up to 16 rows: ahead of oneDNN at a few rows, about level at 16,
-slower past it on the wide LM heads (docs/measurements.md; a fused layer's own projections take
-up to 64, runner/fused_cpu.py).
+A CPU decode step is a chain of few-row products, paced by how fast the weights stream. oneDNN
+streams a bf16 weight faster in its own blocked layout (same kernel, bit-identical results), and
+dspark's kernel (`cpu_kernels`) faster still at a few rows from its tile-by-tile copy
+(docs/internals.md). `pack_linears` converts an inference model once after loading; training
+never packs, because a packed copy does not follow updates to the weight.
 """
 
 from __future__ import annotations
@@ -28,8 +19,6 @@ from torch import Tensor, nn
 from dspark.kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
-
-PACKED_DTYPES = (torch.bfloat16,)
 
 
 @torch.library.custom_op("dspark::packed_linear", mutates_args=())
@@ -46,14 +35,9 @@ def _packed_linear_shape(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tens
 
 @functools.cache
 def lower_packed_linear() -> None:
-    """Have inductor call oneDNN's operator directly where a compiled graph uses `packed_linear`.
-
-    Left alone, inductor calls the custom op through its Python wrapper, whose per-call overhead,
-    paid once per projection, adds up to a noticeable share of a small decode step
-    (docs/measurements.md). Its own lowering of `_linear_pointwise` wants the weight as a frozen
-    graph constant, which a packed buffer is not, so this lowering emits a plain extern call to the
-    operator instead. Registered once per process (cached), before compiling.
-    """
+    """Have inductor call oneDNN's operator directly where a compiled graph uses `packed_linear`,
+    not through the custom op's Python wrapper, paid once per projection. (Inductor's own lowering
+    of `_linear_pointwise` wants a frozen constant weight.) Once per process, before compiling."""
     from torch._inductor.lowering import fallback_handler, register_lowering
 
     call = fallback_handler(torch.ops.mkldnn._linear_pointwise.default, add_to_fallback_set=False)
@@ -75,8 +59,7 @@ def linear(x: Tensor, weight: Tensor, packed: Tensor | None, bias: Tensor | None
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         return packed_linear(x, packed, bias)
-    # eagerly the operator itself: the custom op's Python dispatch would add its own overhead to
-    # every small projection (docs/measurements.md)
+    # eagerly the operator itself, without the custom op's Python dispatch
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -102,19 +85,14 @@ class Linear(nn.Linear):
 
 
 def can_pack(weight: Tensor) -> bool:
-    """oneDNN's layout pays only for CPU weights of the dtypes measured (docs/measurements.md)."""
-    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and torch.backends.mkldnn.is_available())
+    """oneDNN's layout pays only for CPU weights of the dtypes measured (bf16)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
 def pack_linears(module: nn.Module, drop_dense: bool, tiles: bool = False) -> int:
-    """Give every `Linear` under `module` (itself included) its packed copy, and with `tiles`
-    (cpu_kernels.available()) its tile copy for steps of a few rows; returns the count.
-
-    drop_dense releases the plain weight's storage (it keeps its dtype, shape metadata lives in
-    in/out_features). Weights another module also holds (tied embeddings, a drafter sharing the
-    LM head) must keep theirs: pass False.
-    """
+    """Give every `Linear` under `module` (itself included) its packed copy, and with `tiles` its
+    tile copy; returns the count. drop_dense releases the plain weight's storage: pass False for
+    weights another module also holds (tied embeddings, a drafter sharing the LM head)."""
     count, amx = 0, tiles and cpu_kernels.tiles_available()
     for m in module.modules():
         if not isinstance(m, Linear) or m.packed is not None or not can_pack(m.weight):
@@ -148,6 +126,3 @@ def pack_for_inference(target: nn.Module, drafter: nn.Module | None) -> int:
                     f", and tile by tile for steps of up to {cpu_kernels.tile_rows(amx)} rows" if tiles else "")
     return count
 
-
-__all__ = ["Linear", "can_pack", "linear", "lower_packed_linear", "pack_for_inference",
-           "pack_linears", "pack_weight", "packed_linear"]

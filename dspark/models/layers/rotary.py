@@ -17,11 +17,11 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
     if kind == "linear":
         return inv / float(scaling["factor"])
     if kind == "llama3":
-        return _llama3_inv_freq(inv, scaling)
+        return llama3_inv_freq(inv, scaling)
     raise ValueError(f"unsupported rope scaling type {kind!r}")
 
 
-def _llama3_inv_freq(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+def llama3_inv_freq(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1 frequency-dependent scaling: long wavelengths divided by `factor`, short kept."""
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old_ctx = float(s["original_max_position_embeddings"])

@@ -1,16 +1,10 @@
 """Attention on CUDA through torch's variable-length FlashAttention (`torch.nn.attention.varlen`).
 
-The SDPA path pads every request's context to the step's longest and passes a boolean mask,
-which keeps SDPA off its flash kernel. The variable-length kernel takes the ragged queries as
-they come (cumulative offsets per request) and aligns its causal mask to the bottom right, so
-each query row of a request sees its own prefix, whether the rows are a decode token, a verify
-block or a prefill chunk. Keys come straight from the paged cache (`block_table` + `seqused_k`)
-where FlashAttention takes our page size (a multiple of PAGE_MULTIPLE tokens), else from one
-packed gather per layer of each request's context (`cu_seq_k`), whose index the host builds once
-per step (worker/inputs.py).
-
-The path is taken for bf16/fp16 on a CUDA device whose torch has FlashAttention; anything else
-runs SDPA, warned once per reason and counted in STATS, so a slow step is never silent.
+SDPA's padding mask keeps it off its flash kernel; this kernel takes the ragged queries as they
+come, its causal mask aligned bottom right (decode, verify and prefill rows alike). Keys are read
+from the paged cache where FlashAttention takes our page size, else from one packed gather per
+layer (index built on the host, worker/inputs.py). Anything else runs SDPA, warned once per
+reason and counted in STATS, so a slow step is never silent.
 """
 
 from __future__ import annotations
@@ -51,8 +45,7 @@ class VarlenMetadata:
 
 @dataclass
 class VarlenStats:
-    """What the engine can report: attention calls through the kernel, and those that ran SDPA
-    instead, by reason (a step whose metadata asked for the kernel)."""
+    """Attention calls through the kernel, and by reason those asked for it that ran SDPA."""
     calls: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
@@ -75,8 +68,7 @@ def paged_layout(block_size: int) -> bool:
 @functools.cache
 def _device_refusal(device: torch.device) -> str | None:
     """Asked once per device: the answers cannot change while the process runs."""
-    flash = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
-    if not flash():
+    if not torch.backends.cuda.is_flash_attention_available():     # every torch with varlen_attn has it
         return "this torch was built without FlashAttention"
     major, minor = torch.cuda.get_device_capability(device)
     return None if major >= 8 else f"FlashAttention needs compute capability 8.0, the GPU has {major}.{minor}"
@@ -141,6 +133,3 @@ def _masking(meta: VarlenMetadata, gqa: bool) -> dict:
         return {**kwargs, "window_size": (meta.window - 1, 0)}
     return {**kwargs, "window_size": (-1, 0) if meta.max_q > 1 else (-1, -1)}
 
-
-__all__ = ["PAGE_MULTIPLE", "STATS", "VarlenMetadata", "VarlenStats", "note_fallback", "paged_layout",
-           "refusal", "varlen_attention"]
