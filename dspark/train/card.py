@@ -12,9 +12,12 @@ import os
 import shutil
 from collections import Counter
 
+import torch
+
 from dspark.models.gguf import default_model_path
 from dspark.train.data import MANIFEST, load_samples
 from dspark.train.plot import read_log
+from dspark.train.prune_vocab import coverage_note, data_counts
 from dspark.train.schedule import describe_schedule
 
 CURVES = "training_curves.png"
@@ -81,8 +84,10 @@ def _progress_table(train: list[dict], evals: list[dict], batch_size: int, num_t
     return lines
 
 
-def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_params: int) -> str:
-    """README.md (and the curves PNG, if plotted) into `export_dir`."""
+def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_params: int,
+                     keep: torch.Tensor | None = None) -> str:
+    """README.md (and the curves PNG, if plotted) into `export_dir`; `keep` [V_draft]: the target
+    ids of a draft vocabulary the run trained in, whose coverage the card reports."""
     train, evals = read_log(os.path.join(run_dir, "train_log.jsonl"))
     last = evals[-1] if evals else None
     steps = train[-1]["step"] if train else 0
@@ -120,6 +125,9 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
     if os.path.isfile(curves):
         shutil.copyfile(curves, os.path.join(export_dir, CURVES))
         lines += [f"![training curves]({CURVES})", ""]
+    if keep is not None:
+        lines.append(coverage_note(data_counts(cfg.data_path), keep, drafter_config.vocab_size,
+                                   f"dspark train-draft --draft-vocab {keep.numel()}"))
     path = os.path.join(export_dir, "README.md")
     with open(path, "w") as f:
         f.write("\n".join(lines))

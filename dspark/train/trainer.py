@@ -332,8 +332,9 @@ class Trainer:
     def write_card(self, path: str) -> str:
         """The model card (README.md, curves PNG) for an exported drafter in `path`."""
         from dspark.train.card import write_model_card
+        keep = torch.nonzero(self.drafter.t2d).flatten().cpu() if self.drafter_config.uses_draft_vocab else None
         return write_model_card(path, self.cfg.out_dir, self.cfg, self.drafter_config,
-                                sum(p.numel() for p in self.params))
+                                sum(p.numel() for p in self.params), keep)
 
 
 def _schedule_settings(config: dict) -> dict:

@@ -214,7 +214,8 @@ def test_init_from_a_reduced_draft_vocabulary_restores_the_kept_rows(tiny_run, t
 def test_a_warm_start_can_train_in_a_reduced_draft_vocabulary(tiny_run, tmp_path):
     """`--init-from` with `--draft-vocab`: the drafter's weights seed the run, which then trains
     in the data's most frequent tokens (the cheaper steps), every other weight as exported.
-    Other architecture flags are still refused beside --init-from."""
+    Other architecture flags are still refused beside --init-from; the card reports the
+    vocabulary's coverage."""
     import argparse
     from dspark.train.cli import train_config
     source = Trainer(config(tiny_run, "vocab_source", steps=1))
@@ -227,12 +228,17 @@ def test_a_warm_start_can_train_in_a_reduced_draft_vocabulary(tiny_run, tmp_path
     assert train_config(args).draft_vocab_size == 32
     with pytest.raises(ValueError, match=r"drop the flags for \['markov_rank'\]"):
         train_config(parser.parse_args(["--out", out, "--init-from", path, "--markov-rank", "4"]))
-    warm = Trainer(config(tiny_run, "vocab_warm", init_from=path, draft_vocab_size=32))
+    warm = Trainer(config(tiny_run, "vocab_warm", init_from=path, draft_vocab_size=32, steps=2))
     assert warm.drafter.config.draft_vocab_size == 32 and warm.drafter.config.uses_draft_vocab
     theirs, ours = params_of(source), params_of(warm)
     assert torch.equal(theirs["fc.weight"], ours["fc.weight"])
     out_, _, grad_norm = warm.train_step()
     assert torch.isfinite(out_.total) and grad_norm > 0
+    from dspark.train.prune_vocab import coverage, data_counts
+    warm.train(use_tqdm=False)
+    card = open(warm.write_card(warm.export(str(tmp_path / "warm_exported"), torch.float32))).read()
+    share = coverage(data_counts(tiny_run.data).train, torch.nonzero(warm.drafter.t2d).flatten())
+    assert "--draft-vocab 32`: the drafter proposes from 32 of" in card and f"{share:.1%}" in card
 
 
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
