@@ -24,7 +24,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "a .jsonl of prompts, or `ood` (the shipped out-of-distribution set)")
     p.add_argument("--num-prompts", type=int, default=8, help="spec: prompts per kind")
     p.add_argument("--temperatures", default="0",
-                   help="spec: comma-separated sampling temperatures (sampled requests seeded per prompt)")
+                   help="spec, policy: comma-separated sampling temperatures (sampled requests seeded)")
     p.add_argument("--sweep-concurrency", default="1,4,16,64",
                    help="sweep: comma-separated numbers of requests in flight")
     p.add_argument("--sweep-requests", type=int, default=8,

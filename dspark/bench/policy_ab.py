@@ -28,7 +28,7 @@ def switch(policy, mechanism: str, on: bool, kept: int) -> None:
 
 
 def run_policy_bench(args) -> dict:
-    from dspark import LLM, SamplingParams
+    from dspark import LLM
     if args.ablate not in MECHANISMS:
         raise SystemExit(f"bench --mode policy needs --ablate, one of {', '.join(MECHANISMS)}")
     levels = [int(c) for c in str(args.sweep_concurrency).split(",") if c.strip()]
@@ -41,37 +41,44 @@ def run_policy_bench(args) -> dict:
     if policy is None:
         raise SystemExit("bench --mode policy needs the confidence schedule and a drafter")
     pool = prompt_pool(args, plain.tokenizer)
-    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
-    rows = []
-    for c in levels:
-        prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
-        for llm in (plain, spec):
-            llm.generate(prompts[:c], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        runs = {"plain": [], "on": [], "off": []}
-        drafted = {"on": [], "off": []}
-        for _ in range(args.repetitions):
-            runs["plain"].append(closed_loop(plain.engine, prompts, params, c)["tokens_per_s"])
-            for state in ("on", "off"):
-                switch(policy, args.ablate, state == "on", args.max_kept_plans)
-                spec.engine.reset_spec_stats()
-                runs[state].append(closed_loop(spec.engine, prompts, params, c)["tokens_per_s"])
-                drafted[state].append(spec.engine.spec_stats)
-        switch(policy, args.ablate, True, args.max_kept_plans)
-        med = {k: statistics.median(v) for k, v in runs.items()}
-        rows.append({"concurrency": c, "tokens_per_s": {k: round(v, 1) for k, v in med.items()},
-                     "on_over_off": round(med["on"] / med["off"], 3),
-                     "on_over_plain": round(med["on"] / med["plain"], 3),
-                     "drafted_share": {k: round(SpecStats.total(v).drafted_share, 3) for k, v in drafted.items()}})
+    temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
+    rows = [_level(args, plain, spec, pool, c, t) for c in levels for t in temperatures]
     print(f"{args.ablate} on and off in one engine; {args.output_tokens} tokens from max(c, "
           f"{args.sweep_requests}) requests of {args.input_tokens} prompt tokens; medians of {args.repetitions}")
-    print("concurrency | plain tok/s | on tok/s | off tok/s | on / off | on / plain | drafted on / off")
-    print("---|---|---|---|---|---|---")
+    print("concurrency | temperature | plain tok/s | on tok/s | off tok/s | on / off | on / plain | drafted on / off")
+    print("---|---|---|---|---|---|---|---")
     for r in rows:
         t, d = r["tokens_per_s"], r["drafted_share"]
-        print(f"{r['concurrency']} | {t['plain']} | {t['on']} | {t['off']} | {r['on_over_off']:.3f}x | "
+        print(f"{r['concurrency']} | {r['temperature']:g} | {t['plain']} | {t['on']} | {t['off']} | {r['on_over_off']:.3f}x | "
               f"{r['on_over_plain']:.3f}x | {d['on']:.1%} / {d['off']:.1%}")
     report = {"bench": "policy", "mechanism": args.ablate, "repetitions": args.repetitions,
               "input_tokens": args.input_tokens, "output_tokens": args.output_tokens, "levels": rows,
               "draft_overhead_ms": round(policy.overhead.extra_ms, 3)}
     print(json.dumps(report))
     return report
+
+
+def _level(args, plain, spec, pool, c: int, temperature: float) -> dict:
+    """One concurrency at one temperature: plain, mechanism on, mechanism off, interleaved.
+    Sampled requests are seeded (one seed for all), so all three write the same text."""
+    from dspark import SamplingParams
+    policy = spec.engine.policy
+    prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
+    for llm in (plain, spec):
+        llm.generate(prompts[:c], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    params = SamplingParams(temperature=temperature, max_tokens=args.output_tokens, ignore_eos=True,
+                            seed=None if temperature == 0 else 0)
+    runs = {"plain": [], "on": [], "off": []}
+    drafted = {"on": [], "off": []}
+    for _ in range(args.repetitions):
+        runs["plain"].append(closed_loop(plain.engine, prompts, params, c)["tokens_per_s"])
+        for state in ("on", "off"):
+            switch(policy, args.ablate, state == "on", args.max_kept_plans)
+            spec.engine.reset_spec_stats()
+            runs[state].append(closed_loop(spec.engine, prompts, params, c)["tokens_per_s"])
+            drafted[state].append(spec.engine.spec_stats)
+    switch(policy, args.ablate, True, args.max_kept_plans)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"concurrency": c, "temperature": temperature, "tokens_per_s": {k: round(v, 1) for k, v in med.items()},
+            "on_over_off": round(med["on"] / med["off"], 3), "on_over_plain": round(med["on"] / med["plain"], 3),
+            "drafted_share": {k: round(SpecStats.total(v).drafted_share, 3) for k, v in drafted.items()}}

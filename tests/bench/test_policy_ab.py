@@ -17,13 +17,14 @@ def args_for(tmp_path, ablate):
         model=str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", threads=None,
         sweep_concurrency="1,3", sweep_requests=3, repetitions=1, input_tokens=6, output_tokens=5,
         data=None, cost_table=None, min_gain=0.05, max_kept_plans=16, graph="eager", device="cpu",
-        ablate=ablate, prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
+        ablate=ablate, temperatures="0,0.7", prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
 
 
 @pytest.mark.parametrize("ablate", ["kept-plans", "draft-overhead"])
 def test_each_mechanism_is_compared_on_and_off_at_every_level(tmp_path, capsys, ablate):
     report = run_policy_bench(args_for(tmp_path, ablate))
-    assert report["mechanism"] == ablate and [r["concurrency"] for r in report["levels"]] == [1, 3]
+    assert report["mechanism"] == ablate
+    assert [(r["concurrency"], r["temperature"]) for r in report["levels"]] == [(1, 0), (1, 0.7), (3, 0), (3, 0.7)]
     for row in report["levels"]:
         assert set(row["tokens_per_s"]) == {"plain", "on", "off"} and min(row["tokens_per_s"].values()) > 0
         assert row["on_over_off"] == pytest.approx(row["tokens_per_s"]["on"] / row["tokens_per_s"]["off"], rel=0.01)
