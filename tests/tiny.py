@@ -59,6 +59,14 @@ def write_json(path: str, obj) -> None:
     os.sync()
 
 
+def scatter_to_target_vocab(drafter, logits: torch.Tensor) -> torch.Tensor:
+    """[..., V_draft] -> [..., V] with -inf outside the drafter's draft vocabulary."""
+    if not drafter.config.uses_draft_vocab:
+        return logits
+    out = logits.new_full((*logits.shape[:-1], drafter.config.vocab_size), float("-inf"))
+    return out.index_copy_(-1, drafter.draft_to_target_index, logits)
+
+
 def save_random_drafter(path: str, target_dir: str, gamma: int = 4, markov_type: str = "vanilla",
                         rank: int = 8, sample_from_anchor: bool = True, layer_ids=(0, 1, 2),
                         confidence: bool = True, num_layers: int = 1, seed: int = 0, std: float = 0.08,

@@ -68,6 +68,3 @@ class BlockManager:
         """The blocks freed since the last call: whatever was computed for them is stale."""
         released, self.released = self.released, []
         return released
-
-    def slot(self, block_table: list[int], position: int) -> int:
-        return block_table[position // self.block_size] * self.block_size + position % self.block_size

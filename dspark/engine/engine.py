@@ -8,7 +8,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -44,7 +43,7 @@ class EngineStopped(RuntimeError):
     where a step that merely failed only fails its requests."""
 
 
-@dataclass
+@dataclasses.dataclass
 class EngineLoad:
     """Queue and cache occupancy, for metrics (summed over ranks under data parallelism)."""
     waiting: int
@@ -58,13 +57,16 @@ class EngineLoad:
         return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
-@dataclass
+@dataclasses.dataclass
 class PreparedStep:
     sched: SchedulerOutput
     batch: WorkerBatch
 
 
 class Engine:
+    heartbeat_s: float | None = None    # one engine has no peers to lose while idle (a group has)
+    step_limit_s: float | None = None   # a step may take long (a long prefill on a CPU): no limit
+
     def __init__(self, config: EngineConfig):
         self.config = config
         if config.num_threads:
@@ -100,10 +102,8 @@ class Engine:
         self.scheduler.policy = self.policy
         # (raw confidence logits z_1..z_γ, accepted drafts) of verify-all rounds, when recording
         self.confidence_records: list[tuple[list[float], int]] | None = None
-        eos = set(loaded.config.eos_token_ids)
-        if self.tokenizer is not None:
-            eos |= set(self.tokenizer.eos_token_ids)
-        self.eos_token_ids = sorted(eos)
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
+        self.eos_token_ids = sorted({*loaded.config.eos_token_ids, *tokenizer_eos})
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.isolation = FailureIsolation()
@@ -209,11 +209,10 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (all its completions) or one completion (by its child id)."""
-        seq = self.requests.pop(request_id, None)
+        seq = self.requests.get(request_id)
         if seq is None:
             return any([self.abort(child) for child in self.scheduler.parallel.child_ids(request_id)])
-        self.scheduler.finish(seq, "abort")
-        self.output_processor.release(seq)
+        self._finish(seq, "abort")
         return True
 
     @property
@@ -223,14 +222,8 @@ class Engine:
     def close(self) -> None:
         """Nothing to release for one engine (a data-parallel group stops its ranks here)."""
 
-    # one engine has no peers to lose while idle: no heartbeat (a data-parallel group has one)
-    heartbeat_s: float | None = None
-
     def heartbeat(self) -> None:
         """Nothing to check for one engine (a data-parallel group checks its ranks here)."""
-
-    # a step may legitimately take long (a long prefill on a CPU): no limit for one engine
-    step_limit_s: float | None = None
 
     def stalled(self, age_s: float) -> BaseException:
         """Give up on a step that has run `age_s` seconds; the error to report for it."""
@@ -281,7 +274,7 @@ class Engine:
         that running request alone. Data parallel ranks agree on the shapes of their prepared
         steps before running them."""
         sched = self.scheduler.schedule(only=only)
-        if sched.is_empty:
+        if not sched.scheduled:
             return None
         batch = self._worker_batch(sched)
         plan = sched.plan

@@ -63,15 +63,11 @@ class OutputProcessor:
 
     def _check_token(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if seq.num_output_tokens < params.min_tokens:       # not yet a stop (as vLLM), only a length
-            return self._check_length(seq)
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        stop = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if stop and seq.num_output_tokens >= params.min_tokens:   # under min_tokens: a token (as vLLM)
             seq.stop_reason = token
             return "stop"
-        return self._check_length(seq)
-
-    def _check_length(self, seq: Sequence) -> str | None:
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

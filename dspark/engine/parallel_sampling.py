@@ -56,21 +56,18 @@ def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, prom
 def merge_outputs(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
     """The finished outputs of one request's completions (in index order) as one output:
     `outputs` holds them all, the flat fields stay the first one's, the counters add up."""
+    def known(name: str) -> list[float]:
+        return [t for o in outputs if (t := getattr(o.metrics, name)) is not None]
     first = outputs[0]
     metrics = RequestMetrics(
         arrival_time=first.metrics.arrival_time,
-        first_scheduled_time=_pick(min, (o.metrics.first_scheduled_time for o in outputs)),
-        first_token_time=_pick(min, (o.metrics.first_token_time for o in outputs)),
-        finished_time=_pick(max, (o.metrics.finished_time for o in outputs)),
+        first_scheduled_time=min(known("first_scheduled_time"), default=None),
+        first_token_time=min(known("first_token_time"), default=None),
+        finished_time=max(known("finished_time"), default=None),
         num_preemptions=sum(o.metrics.num_preemptions for o in outputs))
     return dataclasses.replace(first, request_id=request_id, metrics=metrics,
                                spec=SpecStats.total(o.spec for o in outputs),
                                completions=[o.outputs[0] for o in outputs])
-
-
-def _pick(choose, times) -> float | None:
-    known = [t for t in times if t is not None]
-    return choose(known) if known else None
 
 
 class SampleGroup:

@@ -40,14 +40,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     plan: StepPlan | None = None   # the speculation policy's plan (None: every draft verified)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
@@ -75,11 +67,6 @@ class Scheduler:
         """Requests not running: queued, or parked until a sibling computed their shared prompt."""
         return len(self.waiting) + self.parallel.num_parked
 
-    def _requeue(self, seqs: list[Sequence]) -> None:
-        """Back to the head of the queue, in order."""
-        for seq in reversed(seqs):
-            self.waiting.appendleft(seq)
-
     def schedule(self, only: Sequence | None = None) -> SchedulerOutput:
         """Running requests first (decode, speculative blocks, prefill chunks), then waiting ones
         with the token budget left. The speculation policy sees the running requests before any
@@ -88,7 +75,7 @@ class Scheduler:
         nothing admitted (the engine runs the requests of a failed step one at a time)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self._requeue(self.parallel.publish_running())
+        self.waiting.extendleft(reversed(self.parallel.publish_running()))     # at the head, in order
         for seq in list(self.running) if only is None else [only]:
             if budget == 0:
                 break
@@ -101,7 +88,7 @@ class Scheduler:
             budget -= item.num_new_tokens
         if self.policy is not None and any(s.spec for s in out.scheduled):
             out.plan = self._plan_speculation(out.scheduled)
-            budget = self.config.max_num_batched_tokens - out.num_tokens
+            budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in out.scheduled)
         if only is None:
             self._admit_waiting(out, budget)
         return out
@@ -185,8 +172,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self._requeue(requeue)
-        self.waiting.appendleft(seq)
+        self.waiting.extendleft(reversed([seq, *requeue]))
         logger.debug("preempted %s (recompute)", seq.request_id)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -200,7 +186,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.parallel.finished(seq)
-        self._requeue(requeue)
+        self.waiting.extendleft(reversed(requeue))
         if self.policy is not None:
             self.policy.forget(seq.request_id)
         seq.metrics.finished_time = time.perf_counter()

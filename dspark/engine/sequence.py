@@ -39,8 +39,7 @@ class Sequence:
         self.output_logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             None if params.prompt_logprobs is None else [None])
-        self.sent_text_len = 0
-        self.sent_token_len = 0
+        self.sent_text_len = self.sent_token_len = 0      # what outputs have carried so far
         self.index = 0                        # which of its request's n completions (n > 1)
         self.group: SampleGroup | None = None  # the completions sharing its prompt (n > 1)
 

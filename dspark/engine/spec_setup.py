@@ -117,7 +117,5 @@ def _machine() -> str:
 def _config_digest(folder: str | None) -> str | None:
     """A short hash of the drafter's config.json: a drafter replaced in the same folder (another
     vocabulary, depth or γ) must not be priced with the old drafter's costs."""
-    if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
-        return None
-    with open(os.path.join(folder, "config.json"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
+    path = None if folder is None else Path(folder, "config.json")
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path is not None and path.is_file() else None

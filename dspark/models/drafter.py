@@ -18,6 +18,7 @@ from torch import nn
 from dspark.models.layers.linear import Linear, linear
 from dspark.models.layers.norm import RMSNorm
 from dspark.models.layers.rotary import RotaryEmbedding, apply_rotary
+from dspark.models.llama import DecoderLayer
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -72,11 +73,6 @@ class DrafterConfig:
     def num_block_slots(self) -> int:
         """Query rows per block: the anchor plus γ-1 masks, or plus γ masks in the DFlash layout."""
         return self.block_size if self.sample_from_anchor else self.block_size + 1
-
-    @property
-    def draft_slot_offset(self) -> int:
-        """Block row that gives draft 1; rows offset..offset+γ-1 give the γ drafts."""
-        return 0 if self.sample_from_anchor else 1
 
     @property
     def uses_draft_vocab(self) -> bool:
@@ -149,10 +145,7 @@ class DraftLayer(nn.Module):
     def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return self.self_attn.pre_attention(self.input_layernorm(x), cos, sin)
 
-    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x [R, S, d] the residual stream, attn [R, S, H*D] -> the layer's output [R, S, d]."""
-        x = x + self.self_attn.o_proj(attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    post_attention = DecoderLayer.post_attention      # x [R, S, d], attn [R, S, H*D] -> [R, S, d]
 
 
 class BlockState(NamedTuple):
@@ -274,7 +267,7 @@ class Drafter(nn.Module):
 
     def draft_hidden(self, h_block: torch.Tensor) -> torch.Tensor:
         """[R, S, d] -> [R, γ, d]: the rows whose logits are the γ drafts."""
-        off = self.config.draft_slot_offset
+        off = self.config.num_block_slots - self.config.block_size     # 1 in the DFlash layout
         return h_block[:, off:off + self.config.block_size]
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -332,13 +325,6 @@ class Drafter(nn.Module):
         order, so the first maximum over the draft vocabulary is the first over the scattered
         target-vocabulary logits: greedy drafting can take its argmax over V_draft."""
         return self.draft_to_target_index[draft_ids] if self.config.uses_draft_vocab else draft_ids
-
-    def scatter_to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V_draft] -> [..., V] with -inf outside the draft vocabulary."""
-        if not self.config.uses_draft_vocab:
-            return logits
-        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.draft_to_target_index, logits)
 
     # ---- weights -----------------------------------------------------------------------------
 

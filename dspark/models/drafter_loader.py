@@ -139,16 +139,12 @@ def _make_config(shape: ModelConfig, raw: dict[str, Any], target: ModelConfig,
 
 def _validate(cfg: DrafterConfig, target: ModelConfig, require_confidence: bool) -> None:
     """Mismatches with the target, each named with both values."""
-    if cfg.vocab_size != target.vocab_size:
-        raise ValueError(f"drafter vocab_size {cfg.vocab_size} != target vocab_size "
-                         f"{target.vocab_size}")
-    if cfg.target_hidden_size != target.hidden_size:
-        raise ValueError(f"drafter target_hidden_size {cfg.target_hidden_size} != target "
-                         f"hidden_size {target.hidden_size}")
-    if cfg.hidden_size != target.hidden_size:
-        raise ValueError(f"drafter hidden_size {cfg.hidden_size} != target hidden_size "
-                         f"{target.hidden_size} (the drafter shares the target's embedding and "
-                         "lm_head)")
+    for ours, theirs, why in (("vocab_size", "vocab_size", ""), ("target_hidden_size", "hidden_size", ""),
+                              ("hidden_size", "hidden_size",
+                               " (the drafter shares the target's embedding and lm_head)")):
+        if getattr(cfg, ours) != getattr(target, theirs):
+            raise ValueError(f"drafter {ours} {getattr(cfg, ours)} != target {theirs} "
+                             f"{getattr(target, theirs)}{why}")
     _validate_layer_ids(cfg.target_layer_ids, target.num_layers)
     if require_confidence and not cfg.enable_confidence_head:
         raise ValueError("confidence scheduling needs a confidence head, but the drafter has "
@@ -222,10 +218,7 @@ def read_drafter_config(path: str) -> dict[str, Any]:
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
-    tensors: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        tensors.update(load_file(file))
-    return tensors
+    return {name: t for file in safetensors_files(path) for name, t in load_file(file).items()}
 
 
 def save_speculators(drafter: Drafter, path: str, verifier_name_or_path: str | None = None,

@@ -198,12 +198,10 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     if kind in (None, "none"):
         return None
     scaling: dict[str, Any] = {"rope_type": kind}
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if factor is not None:
-        scaling["factor"] = float(factor)
-    original = meta.get(f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
+    for key, name, cast in (("factor", "factor", float),
+                            ("original_context_length", "original_max_position_embeddings", int)):
+        if (value := meta.get(f"{arch}.rope.scaling.{key}")) is not None:
+            scaling[name] = cast(value)
     return scaling
 
 

@@ -17,13 +17,6 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def num_blocks_for_budget(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
                           device: torch.device, max_tokens_needed: int,
                           extra_bytes_per_block: int = 0) -> int:
@@ -32,7 +25,9 @@ def num_blocks_for_budget(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dty
     per_block = bytes_per_block(cfg, cache.block_size, dtype) + extra_bytes_per_block
     budget = cache.kv_cache_bytes
     if budget is None:
-        budget = int(available_memory(device) * cache.memory_fraction)
+        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        budget = int(free * cache.memory_fraction)
     blocks = min(budget // per_block, -(-max_tokens_needed // cache.block_size))
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, cache.block_size,
                 blocks * per_block / 2**20)

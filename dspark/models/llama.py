@@ -53,11 +53,10 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, H, D], k/v [T, KVH, D], rotated and normed: what `attend` takes."""
-        t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
@@ -122,22 +121,16 @@ class CausalLM(nn.Module):
                 aux_layer_ids: tuple[int, ...] = ()) -> ModelOutput:
         """input_ids/positions [T]; logits only for rows logits_indices [N]. aux_layer_ids count
         decoder-layer outputs (i = layer i, -1 = embeddings: DeepSpec's count), concatenated in order."""
-        x, aux_hidden = self.forward_hidden(input_ids, positions, meta, kv_caches, aux_layer_ids)
+        x, aux_hidden = self.run_stack(input_ids, positions, meta, kv_caches, aux_layer_ids)
         return self.compute_logits(x, logits_indices, aux_hidden)
-
-    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                       aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[T] tokens -> last hidden [T, hidden] and aux hidden: the pieces a graph bucket
-        compiles or captures, run directly (docs/graphs.md)."""
-        return self.run_stack(input_ids, positions, meta, kv_caches, aux_layer_ids)
 
     def run_stack(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], aux_layer_ids: tuple[int, ...] = (),
                   entry: Callable | None = None, transition: Callable | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The pieces with eager attention between them; `entry` (`embed_and_enter`) and
-        `transition` (`layer_transition`) may be compiled versions of themselves."""
+        """[T] tokens -> last hidden [T, hidden] and aux hidden: the pieces a graph bucket compiles or
+        captures (docs/graphs.md) with eager attention between them; `entry` (`embed_and_enter`)
+        and `transition` (`layer_transition`) may be compiled versions of themselves."""
         s = self.first_piece(input_ids, positions, aux_layer_ids, entry)
         for i, layer in enumerate(self.layers):
             attn = attend(s.q, s.k, s.v, kv_caches[i], meta, layer.self_attn.scale)   # [T, H*D]
@@ -175,8 +168,7 @@ class CausalLM(nn.Module):
         """x [T, hidden] -> fp32 logits of rows logits_indices [N] (a count that varies within a
         bucket, so this tail stays outside the graph)."""
         h = self.norm(x.index_select(0, logits_indices))          # [N, hidden]
-        logits = self.lm_head(h).float()                           # [N, V]
-        return ModelOutput(logits=logits, aux_hidden=aux_hidden)
+        return ModelOutput(logits=self.lm_head(h).float(), aux_hidden=aux_hidden)
 
     def load_weights(self, weights) -> None:
         """Load Hugging Face named tensors, fusing q/k/v and gate/up as they arrive."""

@@ -18,7 +18,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    family: str                      # llama | qwen2 | qwen3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,20 +49,20 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // heads
         rope_scaling = _rope_scaling(cfg)
+        params = cfg.get("rope_parameters")
+        theta = cfg.get("rope_theta") or (params.get("rope_theta") if isinstance(params, dict) else None)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         window = cfg.get("sliding_window")
         if family == "qwen2" and not cfg.get("use_sliding_window", False):
             window = None
         return cls(
-            architecture=arch, family=family,
-            vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta") or _rope_param(cfg, "rope_theta") or 10000.0),
-            rope_scaling=rope_scaling,
+            rope_theta=float(theta or 10000.0), rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
@@ -71,11 +70,6 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
         )
-
-
-def _rope_param(cfg: dict[str, Any], key: str) -> Any:
-    params = cfg.get("rope_parameters")
-    return params.get(key) if isinstance(params, dict) else None
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:

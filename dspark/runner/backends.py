@@ -147,7 +147,7 @@ def _cuda_graphs(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetada
     pool, model, aux = graphs.graph_pool, graphs.model, graphs.aux_layer_ids
     ids, pos = graphs.input_ids[bucket], graphs.positions[bucket]
     runner = warm_up_and_capture(
-        graphs.device, lambda: model.forward_hidden(ids, pos, meta, kv_caches, aux),
+        graphs.device, lambda: model.run_stack(ids, pos, meta, kv_caches, aux),
         lambda: capture_pieces(model, ids, pos, aux, lambda fn: CudaGraphPiece(fn, pool)))
     logger.debug("captured the %d-token bucket as %d CUDA graphs", bucket, len(runner.pieces))
     return runner

@@ -120,7 +120,7 @@ class StepGraphs:
         if self._fused_takes(b, meta):
             x, aux = self.fused.run(self.model, ids, pos, meta, kv_caches, self.aux_layer_ids)
         elif runner is None:                   # not captured (eager mode or a capture fallback)
-            x, aux = self.model.forward_hidden(ids, pos, meta, kv_caches, self.aux_layer_ids)
+            x, aux = self.model.run_stack(ids, pos, meta, kv_caches, self.aux_layer_ids)
         else:
             x, aux = runner(ids, pos, meta, kv_caches)
         return x[:t], None if aux is None else aux[:t]
@@ -131,7 +131,7 @@ class StepGraphs:
         if self._fused_takes(input_ids.shape[0], meta):
             return self.fused.run(self.model, input_ids, positions, meta, kv_caches, self.aux_layer_ids)
         self.stats.eager_steps += 1
-        return self.model.forward_hidden(input_ids, positions, meta, kv_caches, self.aux_layer_ids)
+        return self.model.run_stack(input_ids, positions, meta, kv_caches, self.aux_layer_ids)
 
     def _fused_takes(self, rows: int, meta: AttentionMetadata) -> bool:
         if self.fused is None or not self.fused.takes(rows, meta):

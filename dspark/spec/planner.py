@@ -13,7 +13,6 @@ import json
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import torch
 
 FORMAT = 2                # 2: verify costs per request count
 MEMO_ENTRIES = 256        # remembered results per cost list (a step's shapes repeat under steady load)
@@ -141,7 +140,7 @@ class StepPlan:
         return all(self.drafted) and self.budget == self.full
 
 
-def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_sampling: int, other_tokens: int,
+def plan_step(survival: np.ndarray, table: CostTable, num_sampling: int, other_tokens: int,
               min_gain: float = 0.05, forced: list[bool] | None = None,
               prefer_verify_all: bool = True, joining_tokens: int = 0, step_ms: float = 0.0,
               draft_extra: np.ndarray | None = None) -> StepPlan:
@@ -159,8 +158,6 @@ def plan_step(survival: torch.Tensor | np.ndarray, table: CostTable, num_samplin
     full = r_all * gamma
     if full == 0:
         return StepPlan(drafted=[True] * r_all, budget=0, full=0)
-    if isinstance(survival, torch.Tensor):
-        survival = survival.detach().cpu().double().numpy()
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
     must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
     extra = np.zeros(r_all) if draft_extra is None else np.asarray(draft_extra, dtype=np.float64)

@@ -196,8 +196,7 @@ class SpecPolicy:
         self.awaiting.clear()                  # a request that left before its verdict has none
 
     def _state(self, request_id: str) -> _RequestState:
-        state = self.requests.get(request_id)
-        if state is None:
+        if (state := self.requests.get(request_id)) is None:
             state = self.requests[request_id] = _RequestState(self.steps, deque(maxlen=self.lag))
         return state
 

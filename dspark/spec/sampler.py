@@ -246,15 +246,11 @@ def global_exponentials(shape: tuple[int, ...], device: torch.device) -> torch.T
     return seeded_exponentials(torch.default_generator, rows, shape[-1], device).view(shape)
 
 
-def seeded_exponentials(generator: torch.Generator, count: int, size: int, device: torch.device,
-                        columns: torch.Tensor | None = None) -> torch.Tensor:
+def seeded_exponentials(generator: torch.Generator, count: int, size: int, device: torch.device) -> torch.Tensor:
     """What `count` calls of `empty(size).exponential_(generator=generator)` return, bit for bit,
-    [count, size], or only `columns` of each row [count, C]. torch draws Exp(1) on the CPU as
-    -log1p(-U) of a double uniform U, serially; drawn as one block, with the logarithm vectorised
-    and taken only where the caller looks, the same stream costs a fraction."""
+    [count, size]. torch draws Exp(1) on the CPU as -log1p(-U) of a double uniform U, serially;
+    drawn as one block, with the logarithm vectorised, the same stream costs a fraction."""
     u = torch.rand((count, size), generator=generator, dtype=torch.float64, device=generator.device)
-    if columns is not None:
-        u = u.index_select(1, columns.to(u.device))
     return (-torch.log1p(-u)).float().to(device)
 
 

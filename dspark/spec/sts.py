@@ -66,12 +66,6 @@ class STSCalibration:
         except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"{path!r} is not a valid STS calibration file: {e}") from e
 
-    def confidences(self, logits: torch.Tensor) -> torch.Tensor:
-        """z [.., γ] -> calibrated c_k = σ(z_k / T_k + b_k)."""
-        temps = torch.tensor(self.temperatures, dtype=logits.dtype, device=logits.device)
-        offsets = torch.tensor(self.offset_list(), dtype=logits.dtype, device=logits.device)
-        return torch.sigmoid(logits / temps + offsets)
-
 
 def ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 20) -> float:
     """Expected calibration error over equal-width probability bins."""
@@ -101,17 +95,16 @@ def host_survival(logits: np.ndarray, temps: np.ndarray, offsets: np.ndarray) ->
     return np.cumprod(1.0 / (1.0 + np.exp(-(logits / temps + offsets))), axis=-1)
 
 
-def fit_sts(logits: torch.Tensor, labels: torch.Tensor, grid: torch.Tensor = GRID,
-            offsets: torch.Tensor | None = OFFSETS) -> tuple[list[float], list[float]]:
+def fit_sts(logits: torch.Tensor, labels: torch.Tensor,
+            offsets: torch.Tensor = OFFSETS) -> tuple[list[float], list[float]]:
     """logits [N, γ] raw confidence logits; labels [N, γ] prefix-accept indicators (1 if accepted
     prefix >= k+1).  Returns (T_1..T_γ, b_1..b_γ) fitted left to right on the cumulative product;
-    offsets=None fits temperatures alone (b = 0)."""
+    offsets=torch.zeros(1) fits temperatures alone (b = 0)."""
     logits, labels = logits.float(), labels.float()
-    offsets = torch.zeros(1) if offsets is None else offsets
     temps, biases = [], []
     prefix = torch.ones(logits.shape[0])
     for k in range(logits.shape[1]):
-        t, b = _fit_position(logits[:, k], labels[:, k], prefix, grid, offsets)
+        t, b = _fit_position(logits[:, k], labels[:, k], prefix, GRID, offsets)
         temps.append(t)
         biases.append(b)
         prefix = prefix * torch.sigmoid(logits[:, k] / t + b)

@@ -103,11 +103,8 @@ def _slots(chunks: list[RequestChunk], block_size: int) -> list[int]:
 
 
 def _padded_tables(chunks: list[RequestChunk]) -> torch.Tensor:
-    width = max(len(c.block_table) for c in chunks)
-    out = torch.zeros(len(chunks), max(width, 1), dtype=torch.long)
-    for r, c in enumerate(chunks):
-        out[r, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
-    return out
+    width = max(1, *(len(c.block_table) for c in chunks))
+    return torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.long)
 
 
 SPLIT_MIN_Q = 16     # queries at least this long (prefill chunks) are attended apart from shorter ones
@@ -180,10 +177,8 @@ def _request_metadata(q_lens: list[int], starts: list[int], ctx_lens: list[int],
 def _token_keys(q_lens: list[int], starts: list[int], window: int | None) -> torch.Tensor:
     """[T, 3]: each token's request, first key and end key (causal, within the window): the
     per-token form of `_mask`, for kernels that read keys in place (built in Python, as `_slots`)."""
-    keys = []
-    for r, (q, start) in enumerate(zip(q_lens, starts)):
-        for end in range(start + 1, start + q + 1):
-            keys.append((r, max(0, end - window) if window is not None else 0, end))
+    keys = [(r, max(0, end - window) if window is not None else 0, end)
+            for r, (q, start) in enumerate(zip(q_lens, starts)) for end in range(start + 1, start + q + 1)]
     return torch.tensor(keys, dtype=torch.long).view(-1, 3)
 
 

@@ -61,23 +61,18 @@ def penalised_logits(logits: torch.Tensor, histories: list[TokenHistory | None],
     """logits [S, V] of the sampling chunks (num_rows[i] consecutive rows each; a speculative
     block's row j follows j drafts) -> the logits they sample from. The same tensor when no
     chunk carries a history, else a copy with the adjusted rows replaced (the raw logits stay
-    for log-probabilities). drafts [R_spec, γ] in the order of the speculative chunks."""
+    for log-probabilities), changed in vLLM's order (counts built by scatters, never per token).
+    drafts [R_spec, γ] in the order of the speculative chunks."""
     if all(h is None for h in histories):
         return logits
-    return apply_penalties(logits, histories, params, num_rows, spec, drafts)
-
-
-def apply_penalties(logits: torch.Tensor, histories: list[TokenHistory | None],
-                    params: list[SamplingParams], num_rows: list[int], spec: list[bool],
-                    drafts: torch.Tensor | None) -> torch.Tensor:
-    """`penalised_logits` for a step where some chunk asks: the adjusted rows are gathered,
-    changed in vLLM's order, and written into a copy (counts built by scatters, never per token)."""
     v = logits.shape[-1]
     plan = _plan(histories, params, num_rows, spec, v, drafts.shape[1] if drafts is not None else 0)
     dev = logits.device
     to = lambda xs, dt=torch.long: device_tensor(xs, dt, dev)  # noqa: E731
     owner = to(plan.owner)                                                         # [P]
-    counts = _scatter_counts(len(plan.repetition), v, to(plan.counts), dev)[owner]  # [P, V]
+    flat = to(plan.counts)          # [A, V] occurrences of each token in each request's output
+    counts = torch.zeros(len(plan.repetition) * v, dtype=torch.float32, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.float32)).view(-1, v)[owner]     # [P, V]
     if plan.draft_rows:
         tokens = drafts.flatten()[to(plan.draft_src)]                               # [D]
         ones = torch.ones_like(tokens, dtype=counts.dtype)
@@ -96,12 +91,6 @@ def apply_penalties(logits: torch.Tensor, histories: list[TokenHistory | None],
     if any(plan.presence):
         x -= to(plan.presence, torch.float32)[owner, None] * (counts > 0)
     return logits.index_copy(0, rows, x.to(logits.dtype))
-
-
-def _scatter_counts(num: int, v: int, flat: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[A, V] occurrences of each token among each request's output: one scatter_add."""
-    counts = torch.zeros(num * v, dtype=torch.float32, device=device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype)).view(num, v)
 
 
 def _repetition(x: torch.Tensor, counts: torch.Tensor, plan: _Rows, owner: torch.Tensor,

@@ -7,6 +7,7 @@ phantom dip. The engine must be idle: profiling writes scratch K/V into blocks n
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -90,11 +91,7 @@ def step_rows(requests: int, tokens: int, gamma: int, longest: int) -> list[int]
 
 def request_counts(max_requests: int) -> list[int]:
     """The request counts verify costs are measured at: powers of two, and the largest."""
-    counts, r = {max_requests}, 1
-    while r < max_requests:
-        counts.add(r)
-        r *= 2
-    return sorted(counts)
+    return sorted({max_requests, *(1 << i for i in range(max_requests.bit_length()))})
 
 
 def _draft_fn(worker: Worker, num_requests: int, context_len: int, logits: torch.Tensor):
@@ -161,11 +158,7 @@ def monotone(costs: list[float]) -> list[float]:
     Load on a shared machine only adds time, so a spike at one size is cut down to the sizes
     above it; a running maximum carried one slow small size into every larger one
     (docs/measurements.md)."""
-    out, low = [], math.inf
-    for c in reversed(costs):
-        low = min(low, c)
-        out.append(low)
-    return out[::-1]
+    return list(itertools.accumulate(reversed(costs), min))[::-1]
 
 
 @torch.inference_mode()

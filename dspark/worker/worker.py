@@ -105,14 +105,8 @@ class Worker:
                 write_slots: torch.Tensor) -> None:
         self.runner.append_context(self.draft_kv, aux_hidden, positions, write_rows, write_slots)
 
-    def sync_draft_context(self) -> None:
-        """Append the held context rows now (the drafter's cache as a drafting step would see it)."""
-        if self.drafter is not None:
-            self.deferred.flush(self._append)
-
     def forward(self, inputs: StepInputs, key: StepKey | None = None) -> ModelOutput:
-        """The target over a step's rows, as the runner runs it (at the agreed key under data
-        parallelism)."""
+        """The target over a step's rows, as the runner runs it (at the agreed data-parallel key)."""
         x, aux = self.runner.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, key)
         return self.model.compute_logits(x, inputs.logits_indices, aux)
 
@@ -124,8 +118,7 @@ class Worker:
     def step_shape(self, batch: WorkerBatch) -> tuple[int, int, int, int]:
         """(requests, target rows after the verify budget, draft requests, widest block table)
         of a batch, known on the host before it runs: what a rank reports for agreement."""
-        sampling = [c for c in batch.chunks if c.num_logits > 0]
-        caps = sum(len(sampling[i].token_ids) - 1 for i, s in enumerate(batch.spec) if s)
+        caps = sum(len(c.token_ids) - 1 for c, s in zip(batch.sampling, batch.spec) if s)
         tokens = sum(len(c.token_ids) for c in batch.chunks)
         if batch.verify_budget is not None and batch.verify_budget < caps:
             tokens -= caps - batch.verify_budget

@@ -16,7 +16,7 @@ from torch import nn
 
 from dspark.models.drafter_loader import load_drafter, save_speculators
 from dspark.models.model_config import ModelConfig
-from tiny import tiny_config
+from tiny import scatter_to_target_vocab, tiny_config
 
 import speculators.models.dspark as spec_dspark  # noqa: E402  (CI installs the reference)
 import speculators.models.dspark.core as spec_core  # noqa: E402
@@ -181,7 +181,7 @@ def test_drafter_matches_speculators(tmp_path, monkeypatch, sample_from_anchor, 
 
     assert _max_diff(ours["hidden"], ref["hidden"]) <= 1e-4
     assert _max_diff(ours["base"], ref["base"]) <= 1e-4
-    drafts = slice(cfg.draft_slot_offset, cfg.draft_slot_offset + cfg.block_size)
+    drafts = slice(cfg.num_block_slots - cfg.block_size, cfg.num_block_slots)
     if rank:
         ref_bias = (ref["logits"] - ref["base"])[:, drafts]
         assert _max_diff(ours["bias"], ref_bias) <= 1e-4
@@ -189,7 +189,7 @@ def test_drafter_matches_speculators(tmp_path, monkeypatch, sample_from_anchor, 
     assert _max_diff(ours["confidence"], ref["confidence"][:, drafts]) <= 1e-4
 
     # the reduced vocabulary maps back onto the target's own lm_head rows
-    full = drafter.scatter_to_target_vocab(ours["base"])
+    full = scatter_to_target_vocab(drafter, ours["base"])
     target_ids = drafter.to_target_ids(torch.arange(draft_vocab))
     assert torch.equal(full[..., target_ids], ours["base"])
     assert torch.isinf(full).sum().item() == full[..., 0].numel() * (VOCAB - draft_vocab)

@@ -63,7 +63,7 @@ def step(q_lens, device, start=6, seed=0):
 
 
 def unpadded(target, inputs, caches):
-    return target.model.forward_hidden(inputs.input_ids, inputs.positions, inputs.attn, caches, AUX)
+    return target.model.run_stack(inputs.input_ids, inputs.positions, inputs.attn, caches, AUX)
 
 
 def test_every_bucket_is_captured_piecewise_in_one_pool(graphs, target):

@@ -253,7 +253,7 @@ def test_nobody_asks_nothing_computed(plain, spec, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("penalties computed for a step where nobody asked")
 
-    monkeypatch.setattr(module, "apply_penalties", forbidden)
+    monkeypatch.setattr(module, "_plan", forbidden)
     for llm in (plain, spec):
         params = [greedy(10), SamplingParams(temperature=0.8, seed=1, max_tokens=10), greedy(10, stop=["x"])]
         assert all(o.finish_reason == "length" for o in llm.generate(PROMPTS, params))

@@ -9,7 +9,8 @@ from tiny import save_random_drafter, save_tiny, speculating
 
 
 def committed_kv(engine, seq, n):
-    slots = torch.tensor([engine.block_manager.slot(seq.block_table, p) for p in range(n)])
+    bs = engine.block_manager.block_size
+    slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(n)])
     target = [torch.stack([k[slots], v[slots]]) for k, v in engine.worker.kv_caches]
     draft = [torch.stack([k[slots], v[slots]]) for k, v in engine.worker.draft_kv]
     return target, draft
@@ -39,7 +40,7 @@ def test_committed_kv_equals_fresh_prefill(tmp_path):
     sched = fresh.scheduler.schedule()                   # one prefill step, inspected before commit
     fresh.worker.execute(fresh._worker_batch(sched))
     assert fresh.worker.deferred.num_rows == n           # a step that drafts nothing holds its rows
-    fresh.worker.sync_draft_context()
+    fresh.worker.deferred.flush(fresh.worker._append)
     got_t, got_d = committed_kv(spec, seq, n)
     ref_t, ref_d = committed_kv(fresh, fresh_seq, n)
     for a, b in zip(got_t + got_d, ref_t + ref_d):
@@ -96,7 +97,7 @@ def test_rows_held_past_another_requests_drafting_steps_reach_the_drafter_intact
         fresh = llm().engine
         fid = fresh.add_request((seq.prompt_token_ids + seq.output_token_ids)[:n], SamplingParams(temperature=0, max_tokens=1))
         fresh.worker.execute(fresh._worker_batch(fresh.scheduler.schedule()))
-        fresh.worker.sync_draft_context()
+        fresh.worker.deferred.flush(fresh.worker._append)
         _, got = committed_kv(engine, seq, n)
         _, ref = committed_kv(fresh, fresh.requests[fid], n)
         for x, y in zip(got, ref):

@@ -16,7 +16,7 @@ from dspark.spec.sampler import NoiseKey, SamplingTensors, _mix, processed_probs
 from dspark.spec.types import DraftProposal
 from dspark.spec.verify import _target_probs, accept
 from dspark.train.prune_vocab import prune_drafter
-from tiny import save_random_drafter, save_tiny
+from tiny import save_random_drafter, save_tiny, scatter_to_target_vocab
 
 VOCAB = 48
 ROWS = {   # (temperature, seed) per row: greedy, seeded and unseeded rows, mixed and alone
@@ -72,7 +72,7 @@ def reference_drafts(drafter, h, base, anchors, state, st):
         bias, state = drafter.markov_bias(e, h[:, k], state)
         logits = base[:, k] + bias
         conf.append(drafter.confidence_logits(h[:, k], e).float())
-        q = torch.softmax(drafter.scatter_to_target_vocab(logits) / st.temperature[:, None], dim=-1)
+        q = torch.softmax(scatter_to_target_vocab(drafter, logits) / st.temperature[:, None], dim=-1)
         picked = []
         for i in range(r):
             if st.greedy_host[i]:

@@ -10,7 +10,7 @@ from dspark import LLM, SamplingParams
 from dspark.models.drafter_loader import load_drafter, save_speculators
 from dspark.models.loader import load_target
 from dspark.train.prune_vocab import choose_vocab, coverage, prune_drafter
-from tiny import save_random_drafter, save_tiny
+from tiny import save_random_drafter, save_tiny, scatter_to_target_vocab
 
 VOCAB = 32
 
@@ -44,12 +44,12 @@ def test_pruned_rows_equal_the_original_and_drafts_stay_inside(pair, tmp_path):
     torch.testing.assert_close(small.base_logits(h), full.base_logits(h)[:, keep])
     e = full.markov_embed(torch.tensor([4, 5, 6]))
     torch.testing.assert_close(small.markov_bias(e, h, None)[0], full.markov_bias(e, h, None)[0][:, keep])
-    scattered = small.scatter_to_target_vocab(small.base_logits(h))
+    scattered = scatter_to_target_vocab(small, small.base_logits(h))
     assert torch.isinf(scattered[:, [0, 1, 4]]).all() and scattered.argmax(-1).tolist() == \
         keep[small.base_logits(h).argmax(-1)].tolist()
     tied = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0], [0.5] * 7])   # ties take the first id
     assert small.to_target_ids(tied.argmax(-1)).tolist() == \
-        small.scatter_to_target_vocab(tied).argmax(-1).tolist() == [5, 2]
+        scatter_to_target_vocab(small, tied).argmax(-1).tolist() == [5, 2]
     save_speculators(small, str(tmp_path))
     again = load_drafter(str(tmp_path), target.config, target.model.embed_tokens, target.model.lm_head,
                          torch.float32)

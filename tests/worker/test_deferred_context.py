@@ -175,7 +175,8 @@ def test_a_request_that_finishes_before_any_drafting_step_costs_no_append(tmp_pa
     save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=4)
     save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
     engine = LLM(str(tmp_path / "t"), dtype="float32", drafter=str(tmp_path / "d"), block_size=4,
-                 max_model_len=64, kv_cache_bytes=1 << 20, graph="eager").engine
+                 max_model_len=64, kv_cache_bytes=1 << 20, graph="eager",
+                 spec_schedule="verify-all").engine        # the first decode step drafts, whatever the load
     engine.add_request([3, 9, 4, 7, 11], SamplingParams(temperature=0, max_tokens=1))
     engine.step()                                              # prefill, one token, finished
     assert not engine.has_unfinished

@@ -115,11 +115,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                            meta.block_size, scale).view(t, h * d)
     keys = gather_blocks(k_cache, meta.block_tables, meta.block_size, meta.kv_len)
     values = gather_blocks(v_cache, meta.block_tables, meta.block_size, meta.kv_len)
-    if meta.q_index is None:
-        qp = q.view(r, meta.max_q, h, d)
-    else:
-        qp = q.new_zeros(r * meta.max_q, h, d).index_copy_(0, meta.q_index, q)
-        qp = qp.view(r, meta.max_q, h, d)
+    qp = q if meta.q_index is None else q.new_zeros(r * meta.max_q, h, d).index_copy_(0, meta.q_index, q)
+    qp = qp.view(r, meta.max_q, h, d)
     if meta.max_q == 1 and not meta.is_causal:
         return decode_attention(qp.view(r, h, d), keys, values, meta.mask, scale).reshape(r, h * d)
     out = F.scaled_dot_product_attention(
