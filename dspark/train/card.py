@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 
 from dspark.models.gguf import default_model_path
-from dspark.train.data import MANIFEST, load_samples
+from dspark.train.data import MANIFEST, load_samples, load_train_samples
 from dspark.train.plot import read_log
 from dspark.train.prune_vocab import coverage_note, data_counts
 from dspark.train.schedule import describe_schedule
@@ -29,9 +29,10 @@ def _data_section(data_dirs: tuple[str, ...], max_len: int, min_loss_tokens: int
     held-out evals read the first folder's held-out split."""
     lines = ["| data | split | sequences | chat / code | response tokens | all tokens |",
              "|---|---|---|---|---|---|"]
-    splits = [(i, "train", False) for i in range(len(data_dirs))] + [(0, "held-out", True)]
-    for i, name, heldout in splits:
-        samples = load_samples(data_dirs[i], heldout, max_len, min_loss_tokens)
+    train = load_train_samples(data_dirs, max_len, min_loss_tokens)
+    splits = [(i, "train", samples) for i, samples in enumerate(train)]
+    splits.append((0, "held-out", load_samples(data_dirs[0], True, max_len, min_loss_tokens)))
+    for i, name, samples in splits:
         kinds = Counter("chat" if s.kind == "chat" else "code" for s in samples)
         loss = sum(int(s.loss_mask.sum()) for s in samples)
         total = sum(s.tokens.numel() for s in samples)
@@ -117,8 +118,8 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
                   f"{last['loss']:.3f}, per-position acceptance and τ (1 + Σ cumulative products):",
                   "", *_eval_table(last), ""]
     if len(evals) > 1:
-        num_train = sum(len(load_samples(d, False, cfg.max_seq_len, cfg.min_loss_tokens))
-                        for d in cfg.train_data_paths)
+        num_train = sum(map(len, load_train_samples(cfg.train_data_paths, cfg.max_seq_len,
+                                                    cfg.min_loss_tokens)))
         lines += ["Held-out τ against what the run had trained on (this run's steps only):", "",
                   *_progress_table(train, evals, cfg.batch_size, num_train), ""]
     curves = os.path.join(run_dir, CURVES)

@@ -28,8 +28,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run directory: checkpoint, log, plots (and data)")
     p.add_argument("--data-dir", default=None, help="data shards (default: <out>/data)")
     p.add_argument("--extra-data-dir", dest="extra_data_dirs", action="append", default=None,
-                   metavar="DIR", help="another data folder whose train split joins the first's "
-                                       "(repeatable; its held-out split must agree)")
+                   metavar="DIR", help="another data folder whose train split joins the first's, less "
+                                       "what the first holds out (repeatable)")
     p.add_argument("--model", default=None, help="target HF folder or .gguf (default: embedded SmolLM2)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: with other jobs on the same two cores, two "

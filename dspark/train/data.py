@@ -237,44 +237,66 @@ def generate_data(cfg: GenerateConfig) -> int:
 
 # ---- reading back ------------------------------------------------------------------------------
 
-def load_samples(data_dir: str, heldout: bool, max_len: int = 1024,
-                 min_loss_tokens: int = 4) -> list[Sample]:
+@dataclass
+class HeldOut:
+    """What a folder holds out: its split groups and its prompts (token ids as bytes)."""
+    groups: set[str]
+    prompts: set[bytes]
+
+
+def held_out(data_dir: str) -> HeldOut:
+    out = HeldOut(set(), set())
+    for shard in map(read_shard, shard_paths(data_dir)):
+        for i in shard["heldout"].nonzero().flatten().tolist():
+            out.groups.add(shard["groups"][i])
+            out.prompts.add(_prompt_key(shard, i))
+    return out
+
+
+def _prompt_key(shard: dict, i: int) -> bytes:
+    lo, hi = shard["offsets"][i].item(), shard["offsets"][i + 1].item()
+    return shard["tokens"][lo:hi][~shard["loss_mask"][lo:hi]].numpy().tobytes()
+
+
+def load_samples(data_dir: str, heldout: bool, max_len: int = 1024, min_loss_tokens: int = 4,
+                 leave_out: HeldOut | None = None) -> list[Sample]:
     """The train (heldout=False) or held-out sequences, truncated to `max_len` tokens.
 
     Sequences with fewer than `min_loss_tokens` response tokens left are dropped: they hold
-    almost no anchors (DeepSpec drops samples under 14 loss tokens for the same reason).
+    almost no anchors (DeepSpec drops samples under 14 loss tokens for the same reason). With
+    `leave_out` (another folder's held-out split), so is every sequence whose split group or
+    prompt that folder holds out: folders generated with other seeds split their prompts
+    differently, and a prompt or topic held out there must not be trained on from here.
     """
-    out = []
-    for path in shard_paths(data_dir):
-        shard = read_shard(path)
+    out, left_out = [], 0
+    for shard in map(read_shard, shard_paths(data_dir)):
         offsets = shard["offsets"].tolist()
         for i, kind in enumerate(shard["kinds"]):
             if bool(shard["heldout"][i]) != heldout:
+                continue
+            if leave_out is not None and (shard["groups"][i] in leave_out.groups
+                                          or _prompt_key(shard, i) in leave_out.prompts):
+                left_out += 1
                 continue
             lo, hi = offsets[i], min(offsets[i + 1], offsets[i] + max_len)
             mask = shard["loss_mask"][lo:hi].clone()
             if int(mask.sum()) >= min_loss_tokens:
                 out.append(Sample(shard["tokens"][lo:hi].long(), mask, kind, shard["uids"][i]))
+    if left_out:
+        logger.warning("%s: left out %d sequences whose split group or prompt the first data "
+                       "folder holds out", data_dir, left_out)
     return out
 
 
-def check_splits_agree(data_dirs: Sequence[str]) -> None:
-    """Folders trained on together (say, responses sampled at two temperatures for the same
-    prompts) must split their prompts alike: a prompt held out in one folder and trained on in
-    another would put held-out text into training and flatter every held-out figure."""
-    seen: dict[str, tuple[bool, str]] = {}
+def load_train_samples(data_dirs: Sequence[str], max_len: int, min_loss_tokens: int
+                       ) -> list[list[Sample]]:
+    """Each folder's train sequences; the first folder's held-out split rules the others."""
     for data_dir in data_dirs:
         if not shard_paths(data_dir):
             raise FileNotFoundError(f"{data_dir!r} holds no data shards")
-        for path in shard_paths(data_dir):
-            shard = read_shard(path)
-            for uid, heldout in zip(shard["uids"], shard["heldout"].tolist()):
-                first, where = seen.setdefault(uid, (heldout, data_dir))
-                if first != heldout:
-                    split = {True: "held out", False: "trained on"}
-                    raise ValueError(f"prompt {uid!r} is {split[first]} in {where!r} but "
-                                     f"{split[heldout]} in {data_dir!r}: generate both folders "
-                                     f"with the same --seed and --heldout-fraction")
+    first = held_out(data_dirs[0]) if len(data_dirs) > 1 else None
+    return [load_samples(d, False, max_len, min_loss_tokens, None if i == 0 else first)
+            for i, d in enumerate(data_dirs)]
 
 
 class EpochSampler:

@@ -26,8 +26,7 @@ from dspark.config import DTYPES
 from dspark.models.drafter import Drafter
 from dspark.models.drafter_loader import load_drafter, save_speculators
 from dspark.models.loader import LoadedTarget, load_target
-from dspark.train.data import (EpochSampler, Sample, atomic_save, check_splits_agree,
-                               load_samples)
+from dspark.train.data import EpochSampler, Sample, atomic_save, load_samples, load_train_samples
 from dspark.train.features import TargetFeatureExtractor
 from dspark.train.forward import MetricPool, StepMetrics, training_forward
 from dspark.train.loss import LossOutput, build_block_batch
@@ -80,9 +79,9 @@ class Trainer:
         self.sample_keys: list[str] = []     # folder + uid: where each sequence is after a resume
         self.eval_samples: list[Sample] = []
         if load_data:
-            check_splits_agree(self.cfg.train_data_paths)
-            for path in self.cfg.train_data_paths:
-                samples = load_samples(path, False, self.cfg.max_seq_len, self.cfg.min_loss_tokens)
+            paths = self.cfg.train_data_paths
+            for path, samples in zip(paths, load_train_samples(paths, self.cfg.max_seq_len,
+                                                               self.cfg.min_loss_tokens)):
                 self.train_samples += samples
                 self.sample_keys += [f"{os.path.realpath(path)}:{s.uid}" for s in samples]
             self.eval_samples = load_samples(self.cfg.data_path, True, self.cfg.max_seq_len,

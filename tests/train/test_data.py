@@ -1,12 +1,14 @@
 """Prompt sources, the held-out split, shard generation with resume, and reading data back."""
 
+import dataclasses
 import os
 import textwrap
 
 import pytest
 
-from dspark.train.data import (EpochSampler, GenerateConfig, check_splits_agree, done_uids,
-                               generate_shards, load_samples, read_shard, shard_paths)
+from dspark.train.data import (EpochSampler, GenerateConfig, done_uids,
+                               generate_shards, load_samples, load_train_samples, read_shard,
+                               shard_paths)
 from dspark.train.prompts import build_prompts, code_sources, is_heldout, module_summaries
 from train_helpers import generate_tiny_data, tiny_engine, tiny_prompts, tiny_target
 
@@ -117,20 +119,30 @@ def test_load_samples_split_and_truncation(tmp_path):
     assert all(s.tokens.shape[0] <= 14 and s.tokens.shape == s.loss_mask.shape for s in train)
 
 
-def test_folders_trained_together_must_split_their_prompts_alike(tmp_path):
-    """A second response set for the same prompts may join training only if every prompt is on
-    the same side of the held-out split in both."""
+def test_extra_folders_leave_out_what_the_first_folder_holds_out(tmp_path):
+    """Folders made with other seeds split their prompts differently (the self-written source
+    must change its seed to write new prompts, and its ids repeat across seeds): an extra
+    folder's sequence whose split group or prompt the first folder holds out is left out of
+    training; a prompt that only shares an id joins."""
     target = tiny_target(str(tmp_path / "t"))
-    first = generate_tiny_data(target, str(tmp_path / "a"), num=10, max_tokens=6, chunk_size=5)
-    same = GenerateConfig(**{**first.__dict__, "data_dir": str(tmp_path / "b"), "temperature": 1.0})
-    generate_shards(tiny_engine(target), tiny_prompts(12), same)        # a superset: fine
-    check_splits_agree([first.data_dir, same.data_dir])
-    other = GenerateConfig(**{**same.__dict__, "data_dir": str(tmp_path / "c")})
-    generate_shards(tiny_engine(target), tiny_prompts(10, heldout_every=3), other)
-    with pytest.raises(ValueError, match="prompt 'p3' is trained on in .* but held out in .*/c'"):
-        check_splits_agree([first.data_dir, same.data_dir, other.data_dir])
+    first = generate_tiny_data(target, str(tmp_path / "a"), num=12, max_tokens=6, chunk_size=5)
+    same = tiny_prompts(10, heldout_every=3)      # first: p0, p5, p10 held out; here p0, p3, p6, p9
+    new = [dataclasses.replace(p, uid=f"p{10 + i}" if i < 2 else f"n{i}", group=f"n{i}",
+                               heldout=False) for i, p in enumerate(tiny_prompts(4, seed=1))]
+    new[2].group = "p5"                                # a new prompt in a topic the first holds out
+    new[3].ids = list(same[0].ids)                     # a held-out prompt under another name
+    extra = GenerateConfig(**{**first.__dict__, "data_dir": str(tmp_path / "b")})
+    generate_shards(tiny_engine(target), same + new, extra)
+    train = load_train_samples([first.data_dir, extra.data_dir], max_len=64, min_loss_tokens=1)
+    uids = [sorted(s.uid for s in samples) for samples in train]
+    assert uids[0] == ["p1", "p11", "p2", "p3", "p4", "p6", "p7", "p8", "p9"]
+    # p5 is held out in the first folder; n2 and n3 cross its split by topic and by prompt; the
+    # new p10 and p11 share only their ids with the first folder's prompts
+    assert uids[1] == ["p1", "p10", "p11", "p2", "p4", "p7", "p8"]
+    assert [s.uid for s in load_train_samples([first.data_dir], 64, 1)[0]] == \
+        [s.uid for s in train[0]]
     with pytest.raises(FileNotFoundError, match="holds no data shards"):
-        check_splits_agree([first.data_dir, str(tmp_path / "empty")])
+        load_train_samples([first.data_dir, str(tmp_path / "empty")], 64, 1)
 
 
 def test_epoch_sampler_covers_each_epoch_and_restores_its_cursor():
