@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 
 from dspark.models.gguf import default_model_path
-from dspark.train.data import MANIFEST, load_samples, load_train_samples
+from dspark.train.data import MANIFEST, Sample, load_samples, load_train_samples
 from dspark.train.plot import read_log
 from dspark.train.prune_vocab import coverage_note, data_counts
 from dspark.train.schedule import describe_schedule
@@ -24,12 +24,12 @@ CURVES = "training_curves.png"
 _CE_LABELS = {"sampled": "on the response tokens", "argmax": "on the target's argmax"}
 
 
-def _data_section(data_dirs: tuple[str, ...], max_len: int, min_loss_tokens: int) -> list[str]:
-    """One table row per split and folder: training reads every folder's train split, the
-    held-out evals read the first folder's held-out split."""
+def _data_section(data_dirs: tuple[str, ...], train: list[list[Sample]], max_len: int,
+                  min_loss_tokens: int) -> list[str]:
+    """One table row per split and folder: training reads every folder's train split (`train`),
+    the held-out evals read the first folder's held-out split."""
     lines = ["| data | split | sequences | chat / code | response tokens | all tokens |",
              "|---|---|---|---|---|---|"]
-    train = load_train_samples(data_dirs, max_len, min_loss_tokens)
     splits = [(i, "train", samples) for i, samples in enumerate(train)]
     splits.append((0, "held-out", load_samples(data_dirs[0], True, max_len, min_loss_tokens)))
     for i, name, samples in splits:
@@ -90,6 +90,7 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
     """README.md (and the curves PNG, if plotted) into `export_dir`; `keep` [V_draft]: the target
     ids of a draft vocabulary the run trained in, whose coverage the card reports."""
     train, evals = read_log(os.path.join(run_dir, "train_log.jsonl"))
+    samples = load_train_samples(cfg.train_data_paths, cfg.max_seq_len, cfg.min_loss_tokens)
     last = evals[-1] if evals else None
     steps = train[-1]["step"] if train else 0
     seconds = sum(r["step_s"] * cfg.log_every for r in train)
@@ -101,7 +102,7 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
         f"format. {num_params / 1e6:.1f}M trainable parameters; embeddings and LM head are the "
         f"target's (frozen, not stored). Context features: target layers "
         f"{list(cfg.target_layer_ids)}; mask token {cfg.mask_token_id}.", "",
-        "## Data", "", *_data_section(cfg.train_data_paths, cfg.max_seq_len, cfg.min_loss_tokens), "",
+        "## Data", "", *_data_section(cfg.train_data_paths, samples, cfg.max_seq_len, cfg.min_loss_tokens), "",
         "## Training", "",
         f"`dspark train-draft`: {steps} steps of {cfg.batch_size} sequences × {cfg.anchors_per_seq} "
         f"anchor blocks, AdamW lr {cfg.lr} ({describe_schedule(cfg)}), grad clip "
@@ -118,8 +119,7 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
                   f"{last['loss']:.3f}, per-position acceptance and τ (1 + Σ cumulative products):",
                   "", *_eval_table(last), ""]
     if len(evals) > 1:
-        num_train = sum(map(len, load_train_samples(cfg.train_data_paths, cfg.max_seq_len,
-                                                    cfg.min_loss_tokens)))
+        num_train = sum(map(len, samples))
         lines += ["Held-out τ against what the run had trained on (this run's steps only):", "",
                   *_progress_table(train, evals, cfg.batch_size, num_train), ""]
     curves = os.path.join(run_dir, CURVES)
