@@ -39,7 +39,7 @@ class ServerProcess(LoopbackServer):
         """Start the server and wait until /health answers; the first start of a combination
         measures its cost model, which takes minutes on a small CPU (the child shows a progress bar)."""
         logger.info("starting %s", " ".join(self.argv))
-        self.process = subprocess.Popen(self.argv)
+        self.process = subprocess.Popen(self.argv, preexec_fn=_interruptible)
         try:
             self._wait_ready(timeout)
         except BaseException:                  # Ctrl-C or a timeout: no server outlives its start
@@ -76,6 +76,13 @@ class ServerProcess(LoopbackServer):
                 return resp.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
+
+
+def _interruptible() -> None:
+    """In the child before exec: a benchmark started in the background (`cmd &` in a script)
+    ignores SIGINT and its server would inherit that, so `stop` would wait out its timeout and
+    kill a server it meant to drain. The default lets Python turn SIGINT into Ctrl-C again."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _free_port(host: str) -> int:

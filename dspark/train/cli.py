@@ -84,6 +84,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 TRAIN_FLAGS = (
     ("--block-size", "block_size", int, "γ, drafts per block (7)"),
     ("--draft-layers", "num_draft_layers", int, "drafter layers (1)"),
+    ("--grow-layers", "grow_layers", int,
+     "with --init-from: add this many layers on top, each starting as an identity (0)"),
     ("--markov-rank", "markov_rank", int, "Markov head rank r (32)"),
     ("--mask-token-id", "mask_token_id", int, "mask token (a special token of the target)"),
     ("--steps", "steps", int, "optimiser steps (2000)"),

@@ -41,6 +41,7 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None   # None: default_target_layer_ids(n, 5)
     mask_token_id: int | None = None                  # None: pick_mask_token_id
     init_from: str | None = None           # an exported drafter (speculators format) to start from
+    grow_layers: int = 0                   # layers added on top of init_from's, starting as identities
     draft_vocab_size: int | None = None    # train in the data's most frequent response tokens
                                            #   (None: the whole vocabulary)
     # optimisation
@@ -76,6 +77,9 @@ class TrainConfig:
                self.anchors_per_seq) < 1:
             raise ValueError("block_size, num_draft_layers, steps, batch_size and anchors_per_seq "
                              "must all be >= 1")
+        if self.grow_layers < 0 or (self.grow_layers and not self.init_from):
+            raise ValueError(f"grow_layers adds layers to an --init-from drafter: it needs one "
+                             f"and must be >= 0, got {self.grow_layers}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
         if not 0.0 <= self.decay_fraction <= 1.0:

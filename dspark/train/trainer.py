@@ -124,6 +124,7 @@ class Trainer:
         elif cfg.init_from:
             for name, value in init_arch_fields(cfg.init_from, tcfg).items():
                 setattr(cfg, name, value)
+            cfg.num_draft_layers += cfg.grow_layers
         if cfg.warmup_steps is None:      # fixed at the run's start, kept by every resume
             first = TrainConfig(**saved["config"]) if saved is not None else cfg
             cfg.warmup_steps = resolve_warmup_steps(first.warmup_steps, first.warmup_fraction,
@@ -146,6 +147,10 @@ class Trainer:
             logger.warning("--init-from %s has a reduced draft vocabulary (%d of %d tokens): the "
                            "Markov rows of the other tokens start at zero", path,
                            source.config.draft_vocab_size, source.config.vocab_size)
+        if self.cfg.grow_layers:
+            state = grown_state(state, source.config.num_layers, self.cfg.num_draft_layers)
+            logger.info("added %d layers on top of the %d of %s", self.cfg.grow_layers,
+                        source.config.num_layers, path)
         self.drafter.load_state_dict(state)
         logger.info("initialised the drafter from %s", path)
 
@@ -347,3 +352,17 @@ def _postfix(record: dict) -> str:
     acc = "/".join(f"{a:.2f}" for a in record["accept"])
     return (f"loss {record['loss']:.3f} acc {acc} tau {record['tau']:.2f} "
             f"tok/s {record['tok_s']:.0f}")
+
+
+def grown_state(state: dict[str, torch.Tensor], layers: int, grown: int) -> dict[str, torch.Tensor]:
+    """A drafter's state with layers added on top, each a copy of its last layer whose output
+    projections are zero: every new layer adds nothing to the residual stream, so the grown
+    drafter starts as exactly its source and a warm start on more capacity loses nothing."""
+    last = f"layers.{layers - 1}."
+    out = dict(state)
+    for i in range(layers, grown):
+        for key, value in state.items():
+            if key.startswith(last):
+                zero = key.endswith(("o_proj.weight", "down_proj.weight"))
+                out[f"layers.{i}.{key[len(last):]}"] = torch.zeros_like(value) if zero else value.clone()
+    return out

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -33,6 +36,22 @@ def test_an_interrupted_start_stops_the_server(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         server.start()
     assert server.process.poll() is not None
+
+
+def test_a_server_started_where_sigint_is_ignored_still_stops_on_it(caplog):
+    """A benchmark run in the background (`&` in a script) ignores SIGINT; its server must not
+    inherit that, or every stop waits out its timeout and kills instead of draining."""
+    script = ("import signal, sys, argparse\n"
+              "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+              "from dspark.bench.server_process import ServerProcess\n"
+              "from dspark.config_flags import add_engine_flags\n"
+              "p = argparse.ArgumentParser(); add_engine_flags(p)\n"
+              "s = ServerProcess(p.parse_args(['--no-drafter']), max_queue=4)\n"
+              "try:\n    s.start(timeout=0.5)\nexcept RuntimeError:\n    pass\n"
+              "s.process.wait(0)\nprint('status', s.process.returncode)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert f"status {-signal.SIGINT}" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "killing it" not in done.stderr
 
 
 def test_a_server_that_exits_names_its_status(tmp_path):

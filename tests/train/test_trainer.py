@@ -188,6 +188,27 @@ def test_init_from_starts_a_new_run_from_an_exported_drafter(tiny_run):
     assert all(torch.equal(v, params_of(warm)[k]) for k, v in params_of(resumed).items())
 
 
+def test_grown_layers_start_as_identities_then_learn(tiny_run):
+    """`--grow-layers`: the added layers copy the last one with zero output projections, so the
+    grown drafter scores exactly as its source before a step; training then moves them."""
+    from dspark.train.train_config import TrainConfig
+    with pytest.raises(ValueError, match="grow_layers adds layers to an --init-from drafter"):
+        TrainConfig(out_dir="x", grow_layers=1)
+    source = Trainer(config(tiny_run, "grow_source", steps=2, markov_rank=4))
+    source.train(use_tqdm=False)
+    path = source.export(str(tiny_run.root / "grow_exported"), torch.float32)
+    grown = Trainer(config(tiny_run, "grow_warm", init_from=path, grow_layers=2, steps=4))
+    assert grown.cfg.num_draft_layers == 3 and len(grown.drafter.layers) == 3
+    before = params_of(grown)
+    assert not before["layers.2.self_attn.o_proj.weight"].any()
+    assert not before["layers.1.mlp.down_proj.weight"].any()
+    assert torch.equal(before["layers.2.self_attn.q_proj.weight"], before["layers.0.self_attn.q_proj.weight"])
+    assert grown.evaluate()["loss"] == pytest.approx(source.evaluate()["loss"], rel=1e-6)
+    grown.train(use_tqdm=False)
+    after = params_of(grown)
+    assert after["layers.2.self_attn.o_proj.weight"].any() and after["layers.1.mlp.down_proj.weight"].any()
+
+
 def test_init_from_a_reduced_draft_vocabulary_restores_the_kept_rows(tiny_run, tmp_path, caplog):
     """A pruned drafter seeds a full-vocabulary run: its Markov W2 rows return to their target
     ids, the dropped ids' rows start at zero (with a warning), and every other weight is the
