@@ -111,9 +111,9 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
         f"{cfg.loss.conf} BCE with position weights exp(−k/{cfg.loss.decay:g}); "
         f"{seconds / 3600:.1f} h of step time on a 2-core CPU.", ""]
     if cfg.init_from:
+        grown = f", with {cfg.grow_layers} layer{'s' * (cfg.grow_layers > 1)} added on top" if cfg.grow_layers else ""
         lines += [f"The run started from the weights of an earlier export "
-                  f"(`{os.path.basename(os.path.normpath(cfg.init_from))}`, `--init-from`"
-                  f"{f', with {cfg.grow_layers} layers added on top' if cfg.grow_layers else ''}); the "
+                  f"(`{os.path.basename(os.path.normpath(cfg.init_from))}`, `--init-from`{grown}); the "
                   f"steps above are this run's alone.{_baseline(evals)}", ""]
     if last:
         lines += [f"Held-out ({last['slots']} supervised slots, step {last['step']}): loss "
