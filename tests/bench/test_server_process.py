@@ -41,7 +41,7 @@ def test_an_interrupted_start_stops_the_server(monkeypatch):
 def test_a_server_started_where_sigint_is_ignored_still_stops_on_it():
     """A benchmark run in the background (`&` in a script) ignores SIGINT; its server must not
     inherit that, or every stop waits out its timeout and kills instead of draining."""
-    script = ("import signal, sys, argparse\n"
+    script = ("import signal, argparse\n"
               "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
               "from dspark.bench.server_process import ServerProcess\n"
               "from dspark.config_flags import add_engine_flags\n"
