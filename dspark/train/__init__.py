@@ -6,7 +6,8 @@ so that a trained drafter sees exactly the inputs inference gives it.
 
     prompts.py / topics.py   prompt sources available on every machine (no downloads)
     self_prompts.py          user turns and conversations the target writes itself
-    packages.py              code prompts from installed third-party packages' functions
+    packages.py              installed third-party packages: their functions and their prose
+    doc_prompts.py           chat requests about installed packages' prose
     ood.py                   the out-of-distribution evaluation set (assets/ood_prompts.jsonl)
     data.py                  target responses -> token shards with loss masks; reading them back
     loss.py                  anchor sampling, block layout, the loss terms and diagnostics

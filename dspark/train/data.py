@@ -36,7 +36,7 @@ MANIFEST = "manifest.json"
 # settings that change what a shard holds; resuming with other values is refused
 PINNED = ("seed", "heldout_fraction", "chat_fraction", "max_tokens", "temperature", "top_p",
           "max_prompt_tokens", "model", "dtype", "prompt_source")
-PROMPT_SOURCES = ("local", "self")
+PROMPT_SOURCES = ("local", "self", "docs")
 
 
 @dataclass
@@ -57,7 +57,8 @@ class GenerateConfig:
     threads: int | None = None        # torch CPU threads (None: leave as is)
     heldout_only: bool = False        # only the held-out split (a later full run adds the rest)
     prompt_source: str = "local"      # "local": prompts.py; "self": the target's own user turns
-                                      # and installed packages' code (self_prompts.py)
+                                      # and installed packages' code (self_prompts.py); "docs":
+                                      # installed packages' prose (doc_prompts.py)
 
     def __post_init__(self) -> None:
         if self.prompt_source not in PROMPT_SOURCES:
@@ -230,6 +231,9 @@ def generate_data(cfg: GenerateConfig) -> int:
     if cfg.prompt_source == "self":
         from dspark.train.self_prompts import SelfPromptConfig, self_prompts
         prompts = self_prompts(llm, SelfPromptConfig.from_generate(cfg), cfg.data_dir)
+    elif cfg.prompt_source == "docs":
+        from dspark.train.doc_prompts import doc_prompts
+        prompts = doc_prompts(cfg.num_prompts, cfg.seed)
     else:
         prompts = build_prompts(cfg.num_prompts, cfg.seed, cfg.chat_fraction)
     return generate_shards(llm, encode_prompts(llm.tokenizer, prompts, cfg), cfg)

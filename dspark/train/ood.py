@@ -25,9 +25,9 @@ import random
 import re
 import sys
 
-from dspark.train.packages import (description_sentences, eval_distributions, module_files,
-                                   normalize, package_functions, summary)
-from dspark.train.prompts import keyed_rng, module_summary
+from dspark.train.packages import (eval_distributions, module_files, normalize, package_functions,
+                                   prose_texts, round_robin)
+from dspark.train.prompts import keyed_rng
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,6 @@ CODE_TEMPLATES = (
 # a few READMEs address automated tools or interactive shells rather than their own subject
 OFF_SUBJECT = re.compile(r"\bagents?\b|\bsessions?\b", re.I)
 
-DANGLING = frozenset("a an and as at between by for from in of on or the to that which with "
-                     "using".split())
-
-
 def _rng(seed: int, salt: str) -> random.Random:
     return keyed_rng(f"ood:{seed}:{salt}")
 
@@ -96,29 +92,16 @@ def code_rows(dists, count: int, seed: int) -> list[dict]:
     return rows
 
 
-def _complete(line: str) -> bool:
-    """A docstring's first line that is not cut mid-sentence (it often wraps onto the next)."""
-    last = line.rstrip(".").rsplit(" ", 1)[-1].lower()
-    return not line.endswith((",", ":", ";", "-")) and last not in DANGLING
-
-
 def _chat_candidates(dist, seed: int) -> list[dict]:
     """Every chat prompt one package's metadata and module docstrings give, in a seeded order."""
     name = normalize(dist.metadata["Name"])
-    texts = [("sentence", "metadata", name, s) for s in description_sentences(dist)]
-    if summary(dist):
-        texts.append(("summary", "metadata", name, summary(dist).rstrip(".")))
-    for module, path in module_files(dist):
-        line = None if any(p.startswith("_") for p in module.split(".")) else module_summary(path)
-        if line and _complete(line):
-            texts.append(("summary", module, module, line.rstrip(".")))
     rows = []
-    for what, where, label, text in texts:
-        source = f"{name}:{where}:{text[:40]}"
-        templates = SENTENCE_TEMPLATES if what == "sentence" else SUMMARY_TEMPLATES
+    for t in prose_texts(dist, module_files(dist)):
+        source = f"{name}:{t.where}:{t.text[:40]}"
+        templates = SENTENCE_TEMPLATES if t.what == "sentence" else SUMMARY_TEMPLATES
         template = _rng(seed, source).choice(templates)
-        rows.append(_row("chat", dist, f"{name}:{where}",
-                         template.format(text=text, package=name, name=label)))
+        rows.append(_row("chat", dist, f"{name}:{t.where}",
+                         template.format(text=t.text, package=name, name=t.label)))
     _rng(seed, name).shuffle(rows)
     return rows
 
@@ -127,11 +110,7 @@ def chat_rows(dists, count: int, seed: int) -> list[dict]:
     """`count` chat prompts taken in turn from the packages, so no one package dominates."""
     pools = [_chat_candidates(d, seed) for d in dists]
     _rng(seed, "packages").shuffle(pools)
-    rows, depth = [], 0
-    while len(rows) < count and any(depth < len(p) for p in pools):
-        rows += [p[depth] for p in pools if depth < len(p)][:count - len(rows)]
-        depth += 1
-    return rows
+    return round_robin(pools, count)
 
 
 def build_ood_prompts(num_chat: int = 128, num_code: int = 128, seed: int = 0,

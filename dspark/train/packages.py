@@ -13,9 +13,10 @@ import importlib.metadata as metadata
 import itertools
 import logging
 import re
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterable, Iterator
 
-from dspark.train.prompts import CodeSource, code_sources, keyed_rng
+from dspark.train.prompts import CodeSource, code_sources, keyed_rng, module_summary
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def package_functions(dists: list[metadata.Distribution], count: int, seed: int,
     return out
 
 
-# ---- metadata text (the chat half of the evaluation set) ----------------------------------------
+# ---- metadata text (chat prompts about a package's own prose) -----------------------------------
 
 _FENCE = re.compile(r"^(```|~~~)")
 _LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
@@ -148,3 +149,45 @@ def description_sentences(dist: metadata.Distribution, min_chars: int = 50,
 
 def summary(dist: metadata.Distribution) -> str:
     return (dist.metadata.get("Summary") or "").strip()
+
+
+DANGLING = frozenset("a an and as at between by for from in of on or the to that which with "
+                     "using".split())
+
+
+@dataclass(frozen=True)
+class ProseText:
+    what: str     # "sentence" (of the README) or "summary" (the package's, or a module's)
+    where: str    # "metadata" or the dotted module it summarises
+    label: str    # the package or module the text describes
+    text: str
+
+
+def prose_texts(dist: metadata.Distribution, modules: Iterable[tuple[str, str]]) -> Iterator[ProseText]:
+    """A distribution's own prose: its README sentences, its summary, then the docstring summaries
+    of `modules` (module_files pairs, read lazily) that are public and read as whole sentences."""
+    name = normalize(dist.metadata["Name"])
+    for sentence in description_sentences(dist):
+        yield ProseText("sentence", "metadata", name, sentence)
+    if summary(dist):
+        yield ProseText("summary", "metadata", name, summary(dist).rstrip("."))
+    for module, path in modules:
+        line = None if any(p.startswith("_") for p in module.split(".")) else module_summary(path)
+        if line and _complete(line):
+            yield ProseText("summary", module, module, line.rstrip("."))
+
+
+def _complete(line: str) -> bool:
+    """A docstring's first line that is not cut mid-sentence (it often wraps onto the next)."""
+    last = line.rstrip(".").rsplit(" ", 1)[-1].lower()
+    return not line.endswith((",", ":", ";", "-")) and last not in DANGLING
+
+
+def round_robin(pools: list[list], count: int) -> list:
+    """`count` items taken in turn from the pools (one from each, then the next from each ...),
+    so no one pool dominates."""
+    out, depth = [], 0
+    while len(out) < count and any(depth < len(p) for p in pools):
+        out += [p[depth] for p in pools if depth < len(p)][:count - len(out)]
+        depth += 1
+    return out
