@@ -2,9 +2,10 @@
 
 Users of a small assistant ask about software they meet: what a README sentence means, what a
 package or module described some way is for. The handwritten topics and the target's own user
-turns rarely ask that, and a drafter trained on them accepted least on such requests. This
-source words the prose of the installed training packages (packages.prose_texts: README
-sentences, summaries, public modules' docstring summaries) with templates of its own.
+turns rarely ask that, and more prompts from those sources stopped lifting a drafter on such
+requests (the model card's τ against data). This source words the prose of the installed
+training packages (packages.prose_texts: README sentences, summaries, public modules' docstring
+summaries) with templates of its own.
 
 The packages reserved for evaluation are never read, and ood.py words its set with other
 templates, so the out-of-distribution set shares neither a package nor a template with these
