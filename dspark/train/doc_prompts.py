@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+from typing import Iterator
 
 from dspark.train.packages import (ProseText, module_files, normalize, prose_texts, round_robin,
                                    training_distributions)
@@ -55,14 +56,22 @@ def doc_prompts(num_prompts: int, seed: int = 0, per_package: int = 120,
     for dist in _shuffled(training_distributions(path), seed, "packages"):
         name = normalize(dist.metadata["Name"])
         modules = _shuffled(module_files(dist), seed, name)
-        texts = (t for t in prose_texts(dist, modules) if len(t.text.split()) >= MIN_WORDS)
-        prompts = [p for t in itertools.islice(texts, per_package) if not (t.text in seen or seen.add(t.text))
-                   for p in _prompts(name, t, seed)]
+        texts = itertools.islice(_fresh(prose_texts(dist, modules), seen), per_package)
+        prompts = [p for t in texts for p in _prompts(name, t, seed)]
         pools.append(_shuffled(prompts, seed, f"{name}:order"))
     prompts = round_robin(pools, num_prompts)
     logger.info("%d documentation prompts from %d packages", len(prompts),
                 len({p.group for p in prompts}))
     return prompts
+
+
+def _fresh(texts: Iterator[ProseText], seen: set[str]) -> Iterator[ProseText]:
+    """Texts long enough to ask about, each once over all packages (related packages repeat
+    README sentences)."""
+    for t in texts:
+        if len(t.text.split()) >= MIN_WORDS and t.text not in seen:
+            seen.add(t.text)
+            yield t
 
 
 def _prompts(package: str, t: ProseText, seed: int) -> list[Prompt]:

@@ -64,6 +64,7 @@ CODE_TEMPLATES = (
 # a few READMEs address automated tools or interactive shells rather than their own subject
 OFF_SUBJECT = re.compile(r"\bagents?\b|\bsessions?\b", re.I)
 
+
 def _rng(seed: int, salt: str) -> random.Random:
     return keyed_rng(f"ood:{seed}:{salt}")
 

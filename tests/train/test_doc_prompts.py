@@ -17,8 +17,9 @@ README = ("Parcel tools weighs and sorts the parcels of a small delivery busines
 def _site(tmp_path):
     site = tmp_path / "site"
     fake_distribution(site, "parcel-tools", "parcels")
+    fake_distribution(site, "crate-tools", "crates")             # the same prose again
     fake_distribution(site, "networkx", "networkx")             # reserved for evaluation
-    for name in ("parcel-tools", "networkx"):
+    for name in ("parcel-tools", "crate-tools", "networkx"):
         with open(site / f"{name}-1.0.dist-info" / "METADATA", "a") as f:
             f.write("\n" + README)
     return site
@@ -29,17 +30,20 @@ def test_prompts_word_a_training_package_prose_and_never_a_reserved_one(tmp_path
     prompts = doc_prompts(100, seed=1, path=site)
     assert prompts == doc_prompts(100, seed=1, path=site)
     assert prompts != doc_prompts(100, seed=2, path=site)        # the seed picks the templates
-    assert {p.group for p in prompts} == {"docs:parcel-tools"}   # one split group per package
+    assert {p.group for p in prompts} <= {"docs:parcel-tools", "docs:crate-tools"}
+    assert len({p.group for p in prompts if p.text.count("Parcel tools weighs")}) == 1  # a package's group
     assert {p.kind for p in prompts} == {"chat"}
     assert len({p.uid for p in prompts}) == len({p.text for p in prompts}) == len(prompts)
     quoted = [t for p in prompts for t in re.findall(r'"([^"]*)"', p.text)]
-    # each README sentence twice (two templates), the package summary and the module's once;
-    # "Short." (too short for a sentence) and the indented code never
+    # each README sentence twice (two templates), the package summary and the module's once, in
+    # one package only; "Short." (too short for a sentence) and the indented code never
     assert sorted(quoted) == sorted(
         ["Parcel tools weighs and sorts the parcels of a small delivery business quickly."] * 2
         + ["It keeps every parcel's weight in kilograms and converts it on request."] * 2
         + ["Parcels and more parcels", "Helpers for weighing parcels"])
-    assert len(doc_prompts(100, seed=1, path=site, per_package=1)) == 2   # one sentence's two wordings
+    # at most one text a package, not one already taken: a sentence each, two wordings each
+    capped = doc_prompts(100, seed=1, path=site, per_package=1)
+    assert len(capped) == 4 and len({re.findall(r'"([^"]*)"', p.text)[0] for p in capped}) == 2
 
 
 def test_templates_are_not_the_evaluation_set_s():
