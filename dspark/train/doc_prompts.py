@@ -21,7 +21,7 @@ import logging
 from typing import Iterator
 
 from dspark.train.packages import (ProseText, module_files, normalize, prose_texts, round_robin,
-                                   training_distributions)
+                                   shuffled, training_distributions)
 from dspark.train.prompts import Prompt, keyed_rng
 
 logger = logging.getLogger(__name__)
@@ -53,12 +53,12 @@ def doc_prompts(num_prompts: int, seed: int = 0, per_package: int = 120,
     in a seeded order and only until it has given `per_package` texts, so a package with
     thousands of modules costs about as much as a small one."""
     pools, seen = [], set()
-    for dist in _shuffled(training_distributions(path), seed, "packages"):
+    for dist in shuffled(training_distributions(path), f"docs:{seed}:packages"):
         name = normalize(dist.metadata["Name"])
-        modules = _shuffled(module_files(dist), seed, name)
+        modules = shuffled(module_files(dist), f"docs:{seed}:{name}")
         texts = itertools.islice(_fresh(prose_texts(dist, modules), seen), per_package)
         prompts = [p for t in texts for p in _prompts(name, t, seed)]
-        pools.append(_shuffled(prompts, seed, f"{name}:order"))
+        pools.append(shuffled(prompts, f"docs:{seed}:{name}:order"))
     prompts = round_robin(pools, num_prompts)
     logger.info("%d documentation prompts from %d packages", len(prompts),
                 len({p.group for p in prompts}))
@@ -84,8 +84,3 @@ def _prompts(package: str, t: ProseText, seed: int) -> list[Prompt]:
                    template.format(text=t.text, package=package, name=t.label))
             for j, template in enumerate(chosen)]
 
-
-def _shuffled(items: list, seed: int, salt: str) -> list:
-    items = list(items)
-    keyed_rng(f"docs:{seed}:{salt}").shuffle(items)
-    return items

@@ -70,9 +70,10 @@ def module_files(dist: metadata.Distribution) -> list[tuple[str, str]]:
     return sorted(out)
 
 
-def _shuffled(items: list, seed: int, salt: str) -> list:
+def shuffled(items, key: str) -> list:
+    """A copy of `items` in the order a string key draws (the same on every machine)."""
     items = list(items)
-    keyed_rng(f"{seed}:{salt}").shuffle(items)
+    keyed_rng(key).shuffle(items)
     return items
 
 
@@ -80,7 +81,7 @@ def iter_code_sources(dist: metadata.Distribution, seed: int,
                       max_header_chars: int = 1500) -> Iterator[CodeSource]:
     """Documented functions of one distribution, files in a seeded order, read lazily: a caller
     that needs a few functions of a large package parses a few of its files."""
-    for module, path in _shuffled(module_files(dist), seed, normalize(dist.metadata["Name"])):
+    for module, path in shuffled(module_files(dist), f"{seed}:{normalize(dist.metadata['Name'])}"):
         yield from code_sources(path, module, max_header_chars=max_header_chars)
 
 
@@ -89,7 +90,7 @@ def package_functions(dists: list[metadata.Distribution], count: int, seed: int,
                       max_header_chars: int = 1500) -> list[tuple[str, CodeSource]]:
     """`count` (distribution name, function) pairs taken in turn from the distributions, each at
     most `per_package` times, so no single large package fills the set."""
-    order = _shuffled(dists, seed, "distributions")
+    order = shuffled(dists, f"{seed}:distributions")
     streams = [(normalize(d.metadata["Name"]),
                 itertools.islice(iter_code_sources(d, seed, max_header_chars), per_package))
                for d in order]
