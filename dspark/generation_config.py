@@ -106,5 +106,5 @@ def _number(name: str, value: Any, source: str) -> float | int:
 
 
 def _embedded_model() -> str:
-    from dspark.models.gguf import default_model_path
+    from dspark.config import default_model_path       # config imports torch
     return default_model_path()

@@ -1,6 +1,7 @@
 """Host tensors to the device without a wait: on CUDA a copy from pageable memory first waits
 for the work already queued on the device, so a step's many small host-built tensors go through
-pinned memory, packed into one buffer and copied once, without blocking. On a CPU nothing moves.
+pinned memory, packed into one buffer and copied once, without blocking. A step's results come
+back through pinned memory with one wait. On a CPU nothing moves.
 """
 
 from __future__ import annotations
@@ -22,6 +23,19 @@ def device_tensor(data, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[list]:
+    """The step's results as host lists, waiting for the device once: on CUDA each tensor is
+    copied into pinned memory without blocking and the stream synchronised a single time (one
+    `.tolist()` each would wait once per tensor)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [h.tolist() for h in host]
 
 
 def to_device(host: T, device: torch.device, pin: bool | None = None) -> T:

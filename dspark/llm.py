@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from dspark.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpecConfig
 from dspark.engine.engine import Engine
-from dspark.engine.parallel_sampling import merge_outputs, request_ids
-from dspark.outputs import RequestOutput
+from dspark.engine.parallel_sampling import request_ids
+from dspark.outputs import RequestOutput, merge_outputs
 from dspark.sampling_params import SamplingParams
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # One position's log-probabilities as vLLM returns them: token id -> log-prob under the target's
 # raw logits (before temperature or truncation), the chosen token first, then the top ones.
@@ -58,6 +58,17 @@ class SpecStats:
             for i, a in enumerate(s.accepted_per_position):
                 out.accepted_per_position[i] += a
         return out
+
+    def add_round(self, gamma: int, verified: int, accepted: int) -> None:
+        """One draft round of a block of γ drafts, `verified` of them verified, `accepted` accepted."""
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * gamma
+        self.draft_rounds += 1
+        self.drafted_tokens += gamma
+        self.verified_tokens += verified
+        self.accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_position[pos] += 1
 
     def since(self, before: "SpecStats") -> "SpecStats":
         """The counters added since `before` (clamped at zero should the totals be reset meanwhile)."""
@@ -136,3 +147,20 @@ class RequestOutput:
             next(iter(entry.values())) for entry in self.logprobs if entry)
         return [CompletionOutput(self.index, self.text, self.token_ids, self.finish_reason,
                                  self.stop_reason, self.logprobs, cumulative)]
+
+
+def merge_outputs(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
+    """The finished outputs of one request's completions (in index order) as one output:
+    `outputs` holds them all, the flat fields stay the first one's, the counters add up."""
+    def known(name: str) -> list[float]:
+        return [t for o in outputs if (t := getattr(o.metrics, name)) is not None]
+    first = outputs[0]
+    metrics = RequestMetrics(
+        arrival_time=first.metrics.arrival_time,
+        first_scheduled_time=min(known("first_scheduled_time"), default=None),
+        first_token_time=min(known("first_token_time"), default=None),
+        finished_time=max(known("finished_time"), default=None),
+        num_preemptions=sum(o.metrics.num_preemptions for o in outputs))
+    return replace(first, request_id=request_id, metrics=metrics,
+                   spec=SpecStats.total(o.spec for o in outputs),
+                   completions=[o.outputs[0] for o in outputs])

@@ -97,7 +97,7 @@ class SamplingParams:
 
     def _check_penalties(self) -> None:
         """The logits adjustments (worker/penalties.py); a token id's upper bound is the
-        vocabulary, checked by the engine that knows it."""
+        vocabulary, checked by `check_vocab` once the engine knows it."""
         _check("logit_bias", self.logit_bias is None or isinstance(self.logit_bias, dict),
                f"logit_bias must be a mapping of token ids to biases, got {type(self.logit_bias).__name__}")
         self.logit_bias = dict(self.logit_bias or {})
@@ -118,6 +118,16 @@ class SamplingParams:
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool),
                f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The bounds only the model knows: top_k, and a bias on a token the model does not have
+        (an error naming logit_bias, not ignored)."""
+        _check("top_k", self.top_k <= vocab_size,
+               f"top_k must be at most the vocabulary size ({vocab_size}), got {self.top_k}")
+        outside = sorted(t for t in self.logit_bias if t >= vocab_size)
+        if outside:
+            raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), "
+                             f"got {outside[0]}")
 
     @property
     def greedy(self) -> bool:

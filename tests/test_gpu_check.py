@@ -135,7 +135,7 @@ def _meta_model():
 
 def test_layers_sampling_and_packing_leave_the_kernels_alone_off_the_cpu(kernels_forbidden):
     from dspark.kernels import cpu
-    from dspark.models.layers.linear import pack_for_inference
+    from dspark.runner.setup import pack_for_inference
     q = torch.empty(3, 4, 16, device="meta", dtype=torch.bfloat16)
     k_cache = torch.empty(32, 2, 16, device="meta", dtype=torch.bfloat16)
     assert not cpu.takes_attention(q, k_cache, 1)

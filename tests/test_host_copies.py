@@ -12,8 +12,7 @@ from dspark.host_copy import device_tensor
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dspark"
 STEP_PATH = ["worker", "spec", "runner"]
-ALLOWED = {"worker/profile.py",      # times steps; its inputs are made before the clock starts
-           "spec/sts.py"}            # calibration on the host
+ALLOWED = {"worker/profile.py"}      # times steps; its inputs are made before the clock starts
 
 
 def _is_torch_tensor(node: ast.AST) -> bool:

@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "dspark.config_flags": "command-line flags generated from the config fields",
         "dspark.sampling_params": "per-request sampling parameters",
         "dspark.outputs": "what a request returns",
-        "dspark.host_copy": "host tensors to the device through pinned memory, without a wait",
+        "dspark.host_copy": "host tensors to the device without a wait, results back with one",
     }),
 ]
 

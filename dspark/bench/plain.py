@@ -65,7 +65,8 @@ def _hf_run(model, prompts: list[list[int]], lengths: list[int], pad_id: int) ->
 def _hf_model(model_path: str | None, dtype: torch.dtype):
     """transformers' Llama holding our dequantized weights densely (its GGUF path stays packed)."""
     import transformers
-    from dspark.models.gguf import default_model_path, load_gguf
+    from dspark.config import default_model_path
+    from dspark.models.gguf import load_gguf
     ckpt = load_gguf(model_path or default_model_path())
     cfg = {k: v for k, v in ckpt.config.items() if k not in ("architectures", "model_type")}
     config = transformers.LlamaConfig(**cfg)

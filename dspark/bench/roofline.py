@@ -39,5 +39,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
             if key in seen:
                 continue
             seen.add(key)
-            total += module.weight_bytes() if isinstance(key, tuple) else p.numel() * p.element_size()
+            total += linear_weight_bytes(module) if isinstance(key, tuple) else p.numel() * p.element_size()
     return total
+
+
+def linear_weight_bytes(linear: Linear) -> int:
+    """Bytes one forward reads from the weight, whichever copy it uses: packing may have dropped
+    the plain weight's storage, so the size comes from the shape."""
+    return linear.in_features * linear.out_features * linear.weight.element_size()

@@ -21,7 +21,7 @@ from dspark.engine.sequence import Sequence
 from dspark.engine.spec_setup import cost_fingerprint, load_sts, spec_policy
 from dspark.models.loader import load_target
 from dspark.outputs import RequestOutput, SpecStats
-from dspark.sampling_params import ParamError, SamplingParams
+from dspark.sampling_params import SamplingParams
 from dspark.spec.planner import CostTable
 from dspark.spec.sampler import NoiseKey
 from dspark.worker.inputs import RequestChunk
@@ -29,7 +29,7 @@ from dspark.runner.draft_graphs import DUMMY_REQUEST_PREFIX, is_reserved_request
 from dspark.runner.setup import build_runner
 from dspark.models.kv_cache import bytes_per_block, num_blocks_for_budget
 from dspark.worker.logprobs import prompt_logprob_rows
-from dspark.worker.penalties import check_logit_bias, token_history
+from dspark.worker.penalties import token_history
 from dspark.worker.profile import ProfileConfig
 from dspark.runner.step_key import StepKey
 from dspark.worker.step import StepResult, WorkerBatch
@@ -80,7 +80,11 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or 8192, loaded.config.max_position_embeddings)
         cache = config.cache
-        self.drafter = self._load_drafter(loaded)
+        self.drafter = None
+        if config.spec.drafter is not None:
+            from dspark.models.drafter_loader import load_drafter
+            self.drafter = load_drafter(config.spec.drafter, loaded.config, loaded.model.embed_tokens,
+                                        loaded.model.lm_head, config.torch_dtype)
         runner = build_runner(loaded.model, self.drafter, config, self.device)   # packs the weights
         draft_bytes = 0 if self.drafter is None else bytes_per_block(
             self.drafter.config, cache.block_size, config.torch_dtype)
@@ -98,8 +102,11 @@ class Engine:
                              config.torch_dtype, self.device, runner, drafter=self.drafter)
         self.spec_stats = SpecStats(accepted_per_position=[0] * gamma)
         self.sts = load_sts(config, self.drafter, gamma)
-        self.policy = self._spec_policy(gamma)
-        self.scheduler.policy = self.policy
+        self.policy = self.scheduler.policy = spec_policy(
+            config, self.drafter, gamma, self.sts, self.max_model_len, self.cost_fingerprint(), self.profile)
+        if self.policy is not None and self.sts is not None:      # the STS applied on the device too
+            self.worker.sts_temperatures = torch.tensor(self.sts.temperatures, device=self.device)
+            self.worker.sts_offsets = torch.tensor(self.sts.offset_list(), device=self.device)
         # (raw confidence logits z_1..z_γ, accepted drafts) of verify-all rounds, when recording
         self.confidence_records: list[tuple[list[float], int]] | None = None
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
@@ -108,13 +115,6 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self.isolation = FailureIsolation()
         self._ids = itertools.count()
-
-    def _load_drafter(self, loaded):
-        if self.config.spec.drafter is None:
-            return None
-        from dspark.models.drafter_loader import load_drafter
-        return load_drafter(self.config.spec.drafter, loaded.config, loaded.model.embed_tokens,
-                            loaded.model.lm_head, self.config.torch_dtype)
 
     def cost_fingerprint(self) -> dict:
         """What a cost table must have been measured on to price this engine's steps."""
@@ -136,15 +136,6 @@ class Engine:
         for g, stats in zip(graphs, counted):       # the profile's steps are no served steps
             g.stats = stats
         return table
-
-    def _spec_policy(self, gamma: int):
-        """The speculation policy (spec_setup.py), with the STS applied on the device too."""
-        policy = spec_policy(self.config, self.drafter, gamma, self.sts, self.max_model_len,
-                             self.cost_fingerprint(), self.profile)
-        if policy is not None and self.sts is not None:
-            self.worker.sts_temperatures = torch.tensor(self.sts.temperatures, device=self.device)
-            self.worker.sts_offsets = torch.tensor(self.sts.offset_list(), device=self.device)
-        return policy
 
     @contextlib.contextmanager
     def verifying_all(self):
@@ -187,9 +178,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if params.top_k > vocab:
-            raise ParamError("top_k", f"top_k must be at most the vocabulary size ({vocab}), got {params.top_k}")
-        check_logit_bias(params, vocab)
+        params.check_vocab(vocab)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the context allows "
                              f"(max_model_len={self.max_model_len}, at least one token to generate)")
@@ -265,7 +254,6 @@ class Engine:
         """End one request with finish_reason "error"; its KV blocks are freed at once."""
         message = f"the engine failed while running this request: {type(error).__name__}: {error}"
         logger.error("request %s failed: %s", seq.request_id, message)
-        self.isolation.failed_requests += 1
         self._finish(seq, "error")
         return dataclasses.replace(self.output_processor.output(seq), error=message)
 
@@ -315,7 +303,9 @@ class Engine:
             chunks.append(RequestChunk(ids, start, seq.block_table, num_logits, rows, history))
             if s.sample:
                 params.append(seq.params)
-                keys.append(_noise_key(seq, start + (1 if s.spec else len(ids))))      # the position it samples
+                seeded = seq.params.seed is not None and not seq.params.greedy
+                position = start + (1 if s.spec else len(ids))        # the position it samples
+                keys.append(NoiseKey(seq.params.seed, position) if seeded else None)    # its noise
                 spec.append(s.spec)
         return WorkerBatch(chunks, params, keys, spec, released_blocks=self.block_manager.take_released(),
                            prompt_logprobs=prompt_lp)
@@ -339,7 +329,8 @@ class Engine:
         """Sampling request k of the step's results into its request."""
         seq, tokens = s.seq, result.tokens[k]
         if s.spec:
-            self._count_spec(seq, result.verify_lens[k], result.num_accepted[k])
+            for stats in (seq.spec, self.spec_stats):
+                stats.add_round(self.drafter.config.block_size, result.verify_lens[k], result.num_accepted[k])
             if result.confidence_logits[k] is not None:
                 self._record_confidence(seq, result.confidence_logits[k], result.verify_lens[k],
                                         result.num_accepted[k])
@@ -362,24 +353,7 @@ class Engine:
         if self.confidence_records is not None and verified == self.drafter.config.block_size:
             self.confidence_records.append((z, accepted))
 
-    def _count_spec(self, seq: Sequence, verify_len: int, accepted: int) -> None:
-        gamma = self.drafter.config.block_size
-        for stats in (seq.spec, self.spec_stats):
-            if not stats.accepted_per_position:
-                stats.accepted_per_position = [0] * gamma
-            stats.draft_rounds += 1
-            stats.drafted_tokens += gamma
-            stats.verified_tokens += verify_len
-            stats.accepted_tokens += accepted
-            for pos in range(accepted):
-                stats.accepted_per_position[pos] += 1
-
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.output_processor.release(seq)
         self.requests.pop(seq.request_id, None)
-
-
-def _noise_key(seq: Sequence, position: int) -> NoiseKey | None:
-    """Seeded sampling's noise at `position` (sampler.NoiseKey); None for the others."""
-    return NoiseKey(seq.params.seed, position) if seq.params.seed is not None and not seq.params.greedy else None

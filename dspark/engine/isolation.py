@@ -18,8 +18,6 @@ class FailureIsolation:
         self.suspects: deque[str] = deque()      # request ids still to be run alone
         self.culprit_found = False               # the current isolation failed a request alone
         self.unexplained = False                 # the last isolation found no culprit
-        self.isolations = 0                      # failed steps retried one request at a time
-        self.failed_requests = 0                 # requests failed by an engine error
 
     def begin(self, request_ids: list[str], error: BaseException) -> bool:
         """After a failed step of several requests: isolate them (True), or fail them all
@@ -31,7 +29,6 @@ class FailureIsolation:
                        "the one that fails", len(request_ids), type(error).__name__, error)
         self.suspects.extend(request_ids)
         self.culprit_found = False
-        self.isolations += 1
         return True
 
     def next_suspect(self, requests: dict[str, Sequence]) -> Sequence | None:

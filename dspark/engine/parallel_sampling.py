@@ -23,7 +23,7 @@ import time
 
 from dspark.engine.block_manager import BlockManager
 from dspark.engine.sequence import Sequence, SequenceStatus
-from dspark.outputs import RequestMetrics, RequestOutput, SpecStats, TokenLogprobs
+from dspark.outputs import TokenLogprobs
 from dspark.sampling_params import SamplingParams
 
 
@@ -51,23 +51,6 @@ def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, prom
         seq.index, seq.group = i, group
         group.children.append(seq)
     return list(group.children)
-
-
-def merge_outputs(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
-    """The finished outputs of one request's completions (in index order) as one output:
-    `outputs` holds them all, the flat fields stay the first one's, the counters add up."""
-    def known(name: str) -> list[float]:
-        return [t for o in outputs if (t := getattr(o.metrics, name)) is not None]
-    first = outputs[0]
-    metrics = RequestMetrics(
-        arrival_time=first.metrics.arrival_time,
-        first_scheduled_time=min(known("first_scheduled_time"), default=None),
-        first_token_time=min(known("first_token_time"), default=None),
-        finished_time=max(known("finished_time"), default=None),
-        num_preemptions=sum(o.metrics.num_preemptions for o in outputs))
-    return dataclasses.replace(first, request_id=request_id, metrics=metrics,
-                               spec=SpecStats.total(o.spec for o in outputs),
-                               completions=[o.outputs[0] for o in outputs])
 
 
 class SampleGroup:
@@ -122,9 +105,6 @@ class ParallelSampling:
         group = seq.group
         return (group is not None and group.shared_len > 0 and group.blocks is None
                 and seq.num_computed_tokens == 0 and group.running())
-
-    def park(self, seq: Sequence) -> None:
-        seq.group.parked.append(seq)
 
     def unpark(self, seq: Sequence) -> bool:
         """Take a parked `seq` out of its group's parked list (False: it was not parked)."""

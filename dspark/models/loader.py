@@ -6,10 +6,13 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
+from torch import nn
 
+from dspark.config import default_model_path
+from dspark.models.drafter import DrafterConfig
 from dspark.models.layers.rotary import RotaryEmbedding
 from dspark.models.llama import CausalLM
 from dspark.models.model_config import ModelConfig
@@ -28,7 +31,6 @@ def load_target(path: str | None, dtype: torch.dtype = torch.bfloat16,
                 max_positions: int | None = None, device: str = "cpu") -> LoadedTarget:
     """`path` is a model folder or a .gguf file; None means the embedded default."""
     if path is None:
-        from dspark.models.gguf import default_model_path
         path = default_model_path()
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
@@ -42,24 +44,40 @@ def load_target(path: str | None, dtype: torch.dtype = torch.bfloat16,
 
 def _build(cfg: ModelConfig, weights, dtype: torch.dtype, max_positions: int | None,
            device: str) -> CausalLM:
-    with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = build_on_meta(lambda: CausalLM(cfg, max_positions), cfg,
+                          max_positions or cfg.max_position_embeddings, device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    # the cos/sin tables are computed, not loaded: build them for real after the meta pass
-    model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                   cfg.rope_theta, cfg.rope_scaling).to(device)
     model.load_weights(weights)
     return model.eval().requires_grad_(False)
 
 
-def _load_hf_folder(path: str, dtype, max_positions, device) -> LoadedTarget:
+M = TypeVar("M", bound=nn.Module)
+
+
+def build_on_meta(build: Callable[[], M], cfg: ModelConfig | DrafterConfig, positions: int,
+                  device: torch.device | str, dtype: torch.dtype) -> M:
+    """`build()` on the meta device, then allocated uninitialised on `device`: no random init,
+    since every weight comes from the checkpoint. The cos/sin tables are computed, not loaded, so
+    they are built for real (fp32: cos_sin casts per call) after the meta pass."""
+    with torch.device("meta"):
+        module = build()
+    module = module.to_empty(device=device).to(dtype)
+    module.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling).to(device)
+    return module
+
+
+def read_config_json(path: str, what: str) -> dict[str, Any]:
+    """`path`/config.json; a folder without one is not `what`."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face model folder")
+        raise FileNotFoundError(f"{path!r} has no config.json: not {what}")
     with open(cfg_path) as f:
-        cfg = ModelConfig.from_hf(json.load(f))
+        return json.load(f)
+
+
+def _load_hf_folder(path: str, dtype, max_positions, device) -> LoadedTarget:
+    cfg = ModelConfig.from_hf(read_config_json(path, "a Hugging Face model folder"))
     model = _build(cfg, _safetensors_weights(path), dtype, max_positions, device)
     tokenizer = None
     if os.path.isfile(os.path.join(path, "tokenizer.json")):

@@ -17,7 +17,6 @@ import torch
 import torch._dynamo
 
 from dspark.models.layers.attention import AttentionMetadata, attend
-from dspark.models.layers.linear import lower_packed_linear
 from dspark.models.llama import CausalLM, StackState, layer_transition
 
 logger = logging.getLogger(__name__)
@@ -35,6 +34,20 @@ def build_runner(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetada
     if graphs.mode == "compile":
         return _compiled(graphs, bucket, kv_caches, meta)
     return _cuda_graphs(graphs, bucket, kv_caches, meta)          # the mode is checked: cuda
+
+
+@functools.cache
+def lower_packed_linear() -> None:
+    """Have inductor call oneDNN's operator directly where a compiled graph uses `packed_linear`,
+    not through the custom op's Python wrapper, paid once per projection. (Inductor's own lowering
+    of `_linear_pointwise` wants a frozen constant weight.) Once per process, before compiling."""
+    from torch._inductor.lowering import fallback_handler, register_lowering
+
+    call = fallback_handler(torch.ops.mkldnn._linear_pointwise.default, add_to_fallback_set=False)
+
+    @register_lowering(torch.ops.dspark.packed_linear.default, type_promotion_kind=None)
+    def _lowered(x, packed, bias):
+        return call(x, packed, bias, "none", [], "")
 
 
 def _compiled(graphs, bucket: int, kv_caches: KVCaches, meta: AttentionMetadata) -> Runner:

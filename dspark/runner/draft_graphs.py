@@ -19,10 +19,10 @@ import torch
 import torch._dynamo
 
 from dspark.models.drafter import Drafter
-from dspark.models.layers.linear import lower_packed_linear
 from dspark.spec.draft import BlockPass, FusedDraft, KVCaches, block_pass, propose
 from dspark.spec.sampler import SamplingTensors
 from dspark.spec.types import DraftProposal
+from dspark.runner.backends import lower_packed_linear
 from dspark.runner.draft_pieces import DraftPieces, capture_draft_bucket
 from dspark.runner.graphs import (DUMMY_TOKEN_ID, GraphStats, StepGraphs, capture_largest_first,
                                   check_graph_setup, token_buckets)

@@ -12,7 +12,7 @@ import torch
 from dspark.config import EngineConfig
 from dspark.models.drafter import Drafter
 from dspark.kernels import cpu as cpu_kernels
-from dspark.models.layers.linear import pack_for_inference
+from dspark.models.layers.linear import can_pack, pack_linears, pack_weight
 from dspark.models.llama import CausalLM
 from dspark.runner.choice import auto_mode, default_cache_path
 from dspark.runner.fused_cpu import fuse_draft_blocks, fuse_small_steps
@@ -41,6 +41,27 @@ def build_runner(model: CausalLM, drafter: Drafter | None, config: EngineConfig,
                 " chosen by --graph auto" if config.graph == "auto" else "",
                 _fused_reason(model, fused, drafter, fused_draft))
     return Runner(model, graphs, drafter, fused_draft, sched.max_num_seqs)
+
+
+def pack_for_inference(target: CausalLM, drafter: Drafter | None) -> int:
+    """Pack an engine's target and drafter. The target's LM head keeps its plain weight: it may
+    be tied to the embeddings, and a drafter derives its reduced-vocabulary head from it."""
+    tiles = can_pack(target.lm_head.weight) and cpu_kernels.available()
+    amx = tiles and cpu_kernels.tiles_available()
+    count = sum(pack_linears(layer, drop_dense=True, tiles=tiles) for layer in target.layers)
+    count += pack_linears(target.lm_head, drop_dense=False, tiles=tiles)
+    if drafter is not None:
+        count += pack_linears(drafter, drop_dense=True, tiles=tiles)
+        head = getattr(drafter, "draft_lm_head_weight", None)
+        if head is not None and head.numel() and can_pack(head):
+            drafter.draft_lm_head_packed = pack_weight(head)     # its reduced-vocabulary head
+            drafter.draft_lm_head_tiles = cpu_kernels.pack_tiles(head) if tiles else None
+            drafter.draft_lm_head_amx = amx
+            count += 1
+    if count:
+        logger.info("packed %d projection weights in oneDNN's layout%s", count,
+                    f", and tile by tile for steps of up to {cpu_kernels.tile_rows(amx)} rows" if tiles else "")
+    return count
 
 
 def _fused_reason(model: CausalLM, fused, drafter: Drafter | None, fused_draft) -> str:

@@ -26,7 +26,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from dspark.config import EngineConfig
+from dspark.config import EngineConfig, default_model_path
 from dspark.engine.engine import Engine
 from dspark.generation_config import describe, sampling_defaults
 from dspark.sampling_params import SamplingParams
@@ -178,7 +178,6 @@ def start_engine(config: EngineConfig) -> Engine:
 
 def default_served_name(model: str | None) -> str:
     if model is None:
-        from dspark.models.gguf import default_model_path
         model = default_model_path()
     name = os.path.basename(model.rstrip("/"))
     if name.endswith(".gguf"):         # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"

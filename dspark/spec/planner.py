@@ -1,10 +1,11 @@
-"""The plan of a step: which requests draft and how many drafted tokens are verified in total.
+"""The plan of a step: which requests draft, how many drafted tokens are verified in total, and
+which slots fill that budget.
 
 Step cost is far from linear in the tokens verified (graph buckets, GEMM tiles, a per-step
 floor), so plans are priced with a measured cost table (docs/speculation.md, "The plan";
-reference/dspark_algorithm.md §7.4, §7.6); which slots fill the budget is decided on the device
-(allocate.py). It runs on the host over a few hundred numbers, hence numpy: torch's per-operator
-dispatch is a visible share of a small step.
+reference/dspark_algorithm.md §7.4, §7.6). Pricing runs on the host over a few hundred numbers,
+hence numpy: torch's per-operator dispatch is a visible share of a small step. The slots are
+picked on the device (`allocate`), after the drafter pass.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 
 FORMAT = 2                # 2: verify costs per request count
 MEMO_ENTRIES = 256        # remembered results per cost list (a step's shapes repeat under steady load)
@@ -141,14 +143,13 @@ class StepPlan:
 
 
 def plan_step(survival: np.ndarray, table: CostTable, num_sampling: int, other_tokens: int,
-              min_gain: float = 0.05, forced: list[bool] | None = None,
-              prefer_verify_all: bool = True, joining_tokens: int = 0, step_ms: float = 0.0,
+              min_gain: float = 0.05, prefer_verify_all: bool = True, joining_tokens: int = 0, step_ms: float = 0.0,
               draft_extra: np.ndarray | None = None) -> StepPlan:
     """survival [R, γ] cumulative (STS-calibrated) survivals from an earlier step -> the plan
     maximising tokens per millisecond (docs/speculation.md, "The plan").
 
     Candidate draft sets are the r requests with the most expected accepted drafts (Σ_k S_k),
-    plus every `forced` one; each gets its best budget. With `prefer_verify_all` the result is
+    each with its best budget. With `prefer_verify_all` the result is
     verify-all unless a plan gains `min_gain` over it; drafting must gain `min_gain` over a plain
     step. `joining_tokens` of prefill join whatever is drafted: drafts are priced on top of them
     but judged against the decode step without them. `step_ms` is every step's cost beyond the
@@ -159,7 +160,6 @@ def plan_step(survival: np.ndarray, table: CostTable, num_sampling: int, other_t
     if full == 0:
         return StepPlan(drafted=[True] * r_all, budget=0, full=0)
     s = np.clip(np.asarray(survival, dtype=np.float64), 0.0, None)
-    must = np.zeros(r_all, dtype=bool) if forced is None else np.asarray(forced, dtype=bool)
     extra = np.zeros(r_all) if draft_extra is None else np.asarray(draft_extra, dtype=np.float64)
     requests = max(1, num_sampling)
     verify = table.verify_costs(other_tokens, other_tokens + full + 1, requests)                # [B]
@@ -170,14 +170,13 @@ def plan_step(survival: np.ndarray, table: CostTable, num_sampling: int, other_t
     verify = verify + step_ms
     plain_rate = num_sampling / verify[0]
     full_rate = (num_sampling + s.sum()) / (table.draft_costs([r_all])[0] + extra.sum() + verify[full])
-    bound = np.inf if must.any() else _drafting_bound(s, extra, table, num_sampling, verify)
+    bound = _drafting_bound(s, extra, table, num_sampling, verify)
     if prefer_verify_all and max(bound, plain_rate) < (1.0 + min_gain) * full_rate:
         return StepPlan(drafted=[True] * r_all, budget=full, full=full)    # nothing beats it enough
     if bound < (1.0 + min_gain) * plain_rate:
         rank, size, budget, best_rate = np.zeros(r_all, dtype=np.int64), 0, 0, plain_rate
     else:
-        rank, size, budget, best_rate = _best_set(s, extra, must, table, num_sampling, verify,
-                                                  plain_rate, min_gain)
+        rank, size, budget, best_rate = _best_set(s, extra, table, num_sampling, verify, plain_rate, min_gain)
     if prefer_verify_all and not (best_rate > full_rate and best_rate >= (1.0 + min_gain) * full_rate):
         size, budget = r_all, full
     return StepPlan(drafted=(rank < size).tolist(), budget=budget, full=full)
@@ -199,36 +198,33 @@ def _drafting_bound(s: np.ndarray, extra: np.ndarray, table: CostTable, num_samp
     return float((yield_ / cost).max())
 
 
-def _best_set(s: np.ndarray, extra: np.ndarray, must: np.ndarray, table: CostTable, num_sampling: int,
-              verify: np.ndarray, plain_rate: float, min_gain: float) -> tuple[np.ndarray, int, int, float]:
+def _best_set(s: np.ndarray, extra: np.ndarray, table: CostTable, num_sampling: int, verify: np.ndarray,
+              plain_rate: float, min_gain: float) -> tuple[np.ndarray, int, int, float]:
     """Every candidate draft set with its best budget: (rank of each request, set size, budget,
     rate) of the best, drafting nothing unless drafting beats a plain step by `min_gain`. A set
-    verifies at least one draft per member it chose (not forced): a request drafted for nothing
-    is a plain row that also paid for a drafter pass."""
+    verifies at least one draft per member: a request drafted for nothing is a plain row that
+    also paid for a drafter pass."""
     r_all, gamma = s.shape
     full = r_all * gamma
-    key = np.where(must, np.inf, s.sum(1))
-    order = np.argsort(-key, kind="stable")                                    # descending, stable
+    order = np.argsort(-s.sum(1), kind="stable")                               # descending, stable
     rank = np.empty_like(order)
     rank[order] = np.arange(r_all)
-    sizes = np.arange(int(must.sum()), r_all + 1)                              # [C] draft-set sizes
+    sizes = np.arange(r_all + 1)                                               # [C] draft-set sizes
     gain = num_sampling + _set_prefix_sums(s, rank, sizes)                     # [C, B]
     members = np.concatenate([[0.0], np.cumsum(extra[order])])                 # [R + 1] by rank
     draft = table.draft_costs(sizes) + members[sizes]                          # [C]
     cost = draft[:, None] + verify[None, :]                                     # [C, B]
     rate = gain / cost                                                          # [C, B]
-    if sizes[0] == 0:
-        rate[0, 0] = plain_rate                                                # no drafter pass
+    rate[0, 0] = plain_rate                                                    # no drafter pass
     budgets = np.arange(full + 1)[None, :]
-    chosen = sizes[:, None] - int(must.sum())
-    rate[(budgets > sizes[:, None] * gamma) | (budgets < chosen)] = -np.inf
+    rate[(budgets > sizes[:, None] * gamma) | (budgets < sizes[:, None])] = -np.inf
     # the smallest set, and within it the largest budget, of those that reach the best rate: a
     # draft priced at 0 that the step's bucket verifies for free is still verified
     per_set = full - rate[:, ::-1].argmax(1)                                   # [C] last maximum
     c = int(rate[np.arange(len(sizes)), per_set].argmax())
     size, budget = int(sizes[c]), int(per_set[c])
     best_rate = float(rate[c, budget])
-    if size > 0 and sizes[0] == 0 and best_rate < (1.0 + min_gain) * plain_rate:
+    if size > 0 and best_rate < (1.0 + min_gain) * plain_rate:
         size, budget, best_rate = 0, 0, plain_rate            # drafting must pay for itself too
     return rank, size, budget, best_rate
 
@@ -259,3 +255,22 @@ def _extrapolated(table: np.ndarray, start: int, stop: int) -> np.ndarray:
     half = max(1, n // 2)
     slope = max(0.0, float(table[n] - table[half]) / max(1, n - half))
     return np.where(idx > n, table[n] + slope * (idx - n), inside)
+
+
+def allocate(survival: torch.Tensor, budget: int) -> torch.Tensor:
+    """survival [R, γ] -> verify lengths ℓ [R] (long, on the same device) with Σℓ = min(B, R·γ),
+    without a host sync: `budget` is a host int fixed before the step.
+
+    The top B slots by current survival. Survival is non-increasing along a block, so a
+    request's top slots form a prefix and their count is its ℓ. Ties (saturated confidences give
+    exactly equal survivals) break toward the earlier request and position: a stable sort over
+    the flat index r·γ + k. That tie-break makes the allocation non-anticipating: changing draft
+    x_k changes only survivals of later slots of the same block, each no larger than slot k's
+    and placed after it, so it cannot change whether slot k or an earlier one is verified
+    (reference/dspark_algorithm.md §7.4, DESIGN.md invariant 4).
+    """
+    r, gamma = survival.shape
+    budget = max(0, min(budget, r * gamma))
+    order = torch.sort(survival.flatten(), descending=True, stable=True).indices[:budget]
+    lens = torch.zeros(r, dtype=torch.long, device=survival.device)
+    return lens.index_add_(0, torch.div(order, gamma, rounding_mode="floor"), torch.ones_like(order))

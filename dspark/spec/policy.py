@@ -3,8 +3,8 @@
 Inputs: each request's confidences from earlier rounds (STS calibrated), what rounds accepted,
 the step times the engine measures and the cost table (spec_setup.py). Output: a `StepPlan`. Its
 state is keyed by request id. Every price comes from earlier steps only, so a plan cannot depend
-on the drafts it admits (allocate.py picks them on the device). Why each part is there, and the
-A/B runs that keep it: docs/speculation.md, "The speculation policy".
+on the drafts it admits (`planner.allocate` picks them on the device). Why each part is there,
+and the A/B runs that keep it: docs/speculation.md, "The speculation policy".
 """
 
 from __future__ import annotations
@@ -241,11 +241,11 @@ class DraftOverhead:
     excess (`step_ms`, added to every plan) and a drafting step's excess over that, net of load,
     added to every drafter pass's price (docs/speculation.md, "What a drafting step really costs")."""
 
-    def __init__(self, table: CostTable, plain_weight: float = 0.05, draft_weight: float = 0.1,
-                 min_plain_steps: int = 8, resolution_ms: float = 0.05):
+    plain_weight, draft_weight = 0.05, 0.1     # the two moving averages' weights
+    min_plain_steps, resolution_ms = 8, 0.05   # learn nothing before; re-price the table past
+
+    def __init__(self, table: CostTable):
         self.table, self.base = table, list(table.draft_ms)
-        self.plain_weight, self.draft_weight = plain_weight, draft_weight
-        self.min_plain_steps, self.resolution_ms = min_plain_steps, resolution_ms
         self.plain_excess = 0.0      # ms: recent plain decode steps' time over their price (EMA)
         self.plain_steps = 0
         self.extra_ms = 0.0          # ms a drafting step pays beyond the table, net of load (EMA)

@@ -14,6 +14,7 @@ so that a trained drafter sees exactly the inputs inference gives it.
     features.py              the frozen target's aux hidden states and teacher logits
     forward.py               one training forward through the drafter's inference modules
     trainer.py               TrainConfig, Trainer (loop, eval, checkpoints, export)
+    export.py                the speculators-format writer (config.json + model.safetensors)
     schedule.py              warmup-stable-decay (or cosine) learning rate, kept across resumes
     prune_vocab.py           reduced draft vocabularies: chosen, coverage, pruned drafters
     step_timing.py           seconds per training step and supervised slots per second

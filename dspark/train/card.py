@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 
-from dspark.models.gguf import default_model_path
+from dspark.config import default_model_path
 from dspark.train.data import MANIFEST, Sample, load_samples, load_train_samples
 from dspark.train.plot import read_log
 from dspark.train.prune_vocab import coverage_note, data_counts

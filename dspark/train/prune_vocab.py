@@ -161,7 +161,8 @@ def run_prune(args) -> None:
 
     from dspark.config import SpecConfig
     from dspark.llm import LLM
-    from dspark.models.drafter_loader import load_drafter, save_speculators
+    from dspark.models.drafter_loader import load_drafter
+    from dspark.train.export import save_speculators
     spec = SpecConfig(drafter=args.drafter)
     spec.resolve_embedded(args.model)
     source = spec.drafter

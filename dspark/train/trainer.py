@@ -24,9 +24,10 @@ from tqdm import tqdm
 
 from dspark.config import DTYPES
 from dspark.models.drafter import Drafter
-from dspark.models.drafter_loader import load_drafter, save_speculators
+from dspark.models.drafter_loader import load_drafter
 from dspark.models.loader import LoadedTarget, load_target
 from dspark.train.data import EpochSampler, Sample, atomic_save, load_samples, load_train_samples
+from dspark.train.export import save_speculators
 from dspark.train.features import TargetFeatureExtractor
 from dspark.train.forward import MetricPool, StepMetrics, training_forward
 from dspark.train.loss import LossOutput, build_block_batch

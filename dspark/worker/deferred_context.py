@@ -44,10 +44,6 @@ class DeferredContext:
         self.num_rows = 0              # rows held (the first num_rows of the buffers)
         self.holds = 0                 # steps held so far: a row and a release are stamped with it
         self.released_at = torch.full((num_blocks,), -1, dtype=torch.long, device=device)   # [NB]
-        self.deferred_steps = 0        # steps whose append was deferred (stats)
-        self.flushes = 0               # appends of held rows
-        self.dropped_rows = 0          # rows of released blocks never appended
-        self.done_rows = 0             # rows appended by a drafting step, still in the buffer
 
     def max_rows(self, width: int, element_size: int) -> int:
         return max(1, self.max_bytes // (width * element_size))
@@ -75,7 +71,6 @@ class DeferredContext:
         self.index[start:stop] = self.holds
         self.num_rows = stop
         self.holds += 1
-        self.deferred_steps += 1
 
     def release(self, blocks: list[int] | None) -> None:
         """KV blocks freed since the last step: the rows held for them are not worth appending."""
@@ -88,15 +83,14 @@ class DeferredContext:
         if self.aux is not None and 2 * self.num_rows >= self.max_rows(self.aux.shape[1], self.aux.element_size()):
             self.flush(append)
 
-    def flush(self, append: Append, blocks: torch.Tensor | None = None) -> int:
+    def flush(self, append: Append, blocks: torch.Tensor | None = None) -> None:
         """Append the live held rows in step order, in one call: all of them, or those in
         `blocks` [B] (the KV blocks of the requests about to draft; the others stay held).
         Rows appended from `blocks` are marked done where they lie (moving every held row at
-        each drafting step would cost as much as the rows), and go at the next compaction.
-        Returns the rows appended."""
+        each drafting step would cost as much as the rows), and go at the next compaction."""
         n = self.num_rows
         if n == 0:
-            return 0
+            return
         live = self._live(n)                                                              # [n]
         take = live if blocks is None else live & torch.isin(self.slots[:n] // self.block_size, blocks)
         rows = take.nonzero().squeeze(1)
@@ -107,14 +101,10 @@ class DeferredContext:
             # write: index_copy_ with a repeated slot could keep either
             last = _last_writes(slots)
             append(self.aux[rows], self.positions[rows], last, slots[last])
-            self.flushes += 1
         if blocks is None or taken == int(live.sum()):                # nothing left to append
-            self.dropped_rows += n - taken - self.done_rows
-            self.num_rows = self.done_rows = 0
+            self.num_rows = 0
         elif taken:
             self.index[rows] = DONE
-            self.done_rows += taken
-        return int(last.shape[0]) if taken else 0
 
     def pending(self) -> int:
         """Held rows still to append (live: not done, their block not released after them)."""
@@ -149,8 +139,6 @@ class DeferredContext:
         # dropping rows makes a data-dependent row count (one host sync on a GPU)
         live = self._live(n).nonzero().squeeze(1)
         m = int(live.shape[0])
-        self.dropped_rows += n - m - self.done_rows
-        self.done_rows = 0
         if 0 < m < n:
             for buffer in (self.aux, self.positions, self.slots, self.index):
                 buffer[:m] = buffer[live]

@@ -37,7 +37,6 @@ class RequestChunk:
 class StepInputs:
     input_ids: torch.Tensor          # [T]
     positions: torch.Tensor          # [T]
-    qo_indptr: torch.Tensor          # [R+1] query offsets of each request
     logits_indices: torch.Tensor     # [N] rows whose logits are computed
     attn: AttentionMetadata
 
@@ -54,28 +53,26 @@ def build_inputs(chunks: list[RequestChunk], block_size: int, device: torch.devi
     indptr = list(itertools.accumulate(q_lens, initial=0))
     logits = [i for c, begin, end in zip(chunks, indptr, indptr[1:])
               for i in (*(begin + r for r in c.prompt_rows), *range(end - c.num_logits, end))]
-    tables = _padded_tables(chunks)
+    tables = torch.tensor(padded_tables(chunks), dtype=torch.long)
     slots = torch.tensor(_slots(chunks, block_size), dtype=torch.long)                # -1: no write
     every_row = [c.num_logits == len(c.token_ids) for c in chunks]          # decode and verify rows
-    attn = _metadata(q_lens, every_row, starts, ctx_lens, tables, slots, block_size, sliding_window,
-                     in_place_keys=device.type == "cpu")
+    attn = _metadata(q_lens, indptr, every_row, starts, ctx_lens, tables, slots, block_size,
+                     sliding_window, in_place_keys=device.type == "cpu")
     if varlen or (varlen is None and device.type == "cuda"):
-        attn = dataclasses.replace(attn, varlen=_varlen_metadata(indptr, ctx_lens, tables, block_size,
-                                                                 sliding_window))
+        attn = dataclasses.replace(attn, varlen=_varlen_metadata(q_lens, indptr, ctx_lens, tables,
+                                                                 block_size, sliding_window))
     long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    host = StepInputs(input_ids=long(ids), positions=long(positions), qo_indptr=long(indptr),
-                      logits_indices=long(logits), attn=attn)
+    host = StepInputs(input_ids=long(ids), positions=long(positions), logits_indices=long(logits), attn=attn)
     return host if device.type == "cpu" else to_device(host, device)
 
 
-def _varlen_metadata(indptr: list[int], ctx_lens: list[int], tables: torch.Tensor, block_size: int,
-                     window: int | None) -> VarlenMetadata:
+def _varlen_metadata(q_lens: list[int], indptr: list[int], ctx_lens: list[int], tables: torch.Tensor,
+                     block_size: int, window: int | None) -> VarlenMetadata:
     """Query and key offsets, and either the pages (block tables the kernel reads in place) or
     the cache slot of every key of every request in order (one gather per layer)."""
     r, max_ctx = len(ctx_lens), max(ctx_lens)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32)
     cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), ctx.cumsum(0, dtype=torch.int32)])
-    q_lens = [b - a for a, b in zip(indptr, indptr[1:])]
     width = -(-max_ctx // block_size)
     tables = F.pad(tables, (0, max(0, width - tables.shape[1])))[:, :width].clamp(min=0)  # dummies: block 0
     common = dict(cu_seq_q=torch.tensor(indptr, dtype=torch.int32), cu_seq_k=cu_k, max_q=max(q_lens),
@@ -102,18 +99,19 @@ def _slots(chunks: list[RequestChunk], block_size: int) -> list[int]:
     return slots
 
 
-def _padded_tables(chunks: list[RequestChunk]) -> torch.Tensor:
+def padded_tables(chunks: list[RequestChunk]) -> list[list[int]]:
+    """[R, widest] the chunks' block tables, zero-padded."""
     width = max(1, *(len(c.block_table) for c in chunks))
-    return torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.long)
+    return [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
 
 
 SPLIT_MIN_Q = 16     # queries at least this long (prefill chunks) are attended apart from shorter ones
 
 
-def _metadata(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens: list[int],
-              tables: torch.Tensor, slots: torch.Tensor, block_size: int, window: int | None,
-              in_place_keys: bool) -> AttentionMetadata:
-    parts = _parts(q_lens, every_row, starts, ctx_lens, tables, block_size, window, in_place_keys)
+def _metadata(q_lens: list[int], indptr: list[int], every_row: list[bool], starts: list[int],
+              ctx_lens: list[int], tables: torch.Tensor, slots: torch.Tensor, block_size: int,
+              window: int | None, in_place_keys: bool) -> AttentionMetadata:
+    parts = _parts(q_lens, indptr, every_row, starts, ctx_lens, tables, block_size, window, in_place_keys)
     if parts is None:
         meta = _request_metadata(q_lens, starts, ctx_lens, tables, block_size, window, in_place_keys)
     else:        # attention reads the parts alone: no step-wide padded query or mask is built
@@ -128,9 +126,9 @@ def _metadata(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_l
         write_slots=slots if all_valid else slots[valid])
 
 
-def _parts(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens: list[int],
-           tables: torch.Tensor, block_size: int, window: int | None, in_place_keys: bool
-           ) -> tuple[AttentionPart, ...] | None:
+def _parts(q_lens: list[int], indptr: list[int], every_row: list[bool], starts: list[int],
+           ctx_lens: list[int], tables: torch.Tensor, block_size: int, window: int | None,
+           in_place_keys: bool) -> tuple[AttentionPart, ...] | None:
     """Decode rows, verify blocks and short prefill chunks as the first group, long prefill
     chunks as the second, when a step has both: each group padded to its own longest query and
     context, so a prompt joining the step does not pad every verify block to its chunk
@@ -140,11 +138,10 @@ def _parts(q_lens: list[int], every_row: list[bool], starts: list[int], ctx_lens
     chunked = [i for i, f in enumerate(first) if not f]
     if not short or not chunked:
         return None
-    offsets = list(itertools.accumulate(q_lens, initial=0))
     parts = []
     for group in (short, chunked):
         pick = lambda xs: [xs[i] for i in group]  # noqa: E731
-        rows = torch.tensor([j for i in group for j in range(offsets[i], offsets[i + 1])])
+        rows = torch.tensor([j for i in group for j in range(indptr[i], indptr[i + 1])])
         meta = _request_metadata(pick(q_lens), pick(starts), pick(ctx_lens), tables[group],
                                  block_size, window, in_place_keys)
         parts.append(AttentionPart(rows=rows, meta=meta))

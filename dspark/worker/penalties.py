@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.host_copy import device_tensor
-from dspark.sampling_params import ParamError, SamplingParams
+from dspark.sampling_params import SamplingParams
 
 
 @dataclass
@@ -143,11 +143,3 @@ def _add_request(plan: _Rows, h: TokenHistory, p: SamplingParams, rows: range, b
             plan.draft_src += [block * gamma + k for k in range(j)]
         if len(h.output_ids) + j < p.min_tokens:
             plan.banned += [r * v + t for t in stops]
-
-
-def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
-    """A bias on a token the model does not have is an error naming logit_bias, not ignored."""
-    outside = sorted(t for t in params.logit_bias if t >= vocab_size)
-    if outside:
-        raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), "
-                         f"got {outside[0]}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -18,10 +17,10 @@ from tqdm import tqdm
 
 from dspark.sampling_params import SamplingParams
 from dspark.kernels.cpu import greedy_tokens
-from dspark.spec.allocate import allocate
+from dspark.runner.choice import interleaved_medians_ms
+from dspark.spec.planner import CostTable, allocate
 from dspark.spec.sampler import SamplingTensors
 from dspark.spec.verify import accept_greedy
-from dspark.spec.planner import CostTable
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.worker.worker import Worker
 
@@ -40,25 +39,21 @@ class ProfileConfig:
 
 
 def _timed_in_rounds(fns: list, cfg: ProfileConfig, bar, sync=lambda: None) -> list[float]:
-    """The median time of each of `fns` over `cfg.repeats` rounds that call every one once, in
-    turn, after `cfg.warmup` calls each. On a shared machine load comes and goes over seconds:
-    timed back to back, one size's repeats can sit inside a burst and the table gets a step that
-    is not there (docs/measurements.md); in rounds a burst reaches every size alike, and the
-    table's shape, which is what the planner compares, survives it. `sync` waits for the
-    device's queued work (a GPU runs a step after the host has launched it)."""
-    for fn in fns:
-        for _ in range(cfg.warmup):
-            fn()
-    samples: list[list[float]] = [[] for _ in fns]
-    for _ in range(cfg.repeats):
-        for fn, times in zip(fns, samples):
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times.append((time.perf_counter() - start) * 1e3)
-        bar.update(1)
-    return [statistics.median(times) for times in samples]
+    """Median ms of each of `fns`, timed in rounds (`interleaved_medians_ms`): on a shared machine
+    load comes and goes over seconds; timed back to back, one size's repeats can sit inside a
+    burst and the table gets a step that is not there (docs/measurements.md); in rounds a burst
+    reaches every size alike, and the table's shape, which the planner compares, survives it.
+    `sync` waits for the device's queued work (a GPU runs a step after the host has launched it)."""
+    ends = itertools.cycle((False, True))          # the clock is read at a call's start, then its end
+
+    def clock() -> float:
+        sync()
+        now = time.perf_counter()
+        if next(ends):
+            bar.update(1)                           # after the call's end is read: not timed
+        return now
+    ms = interleaved_medians_ms({str(i): fn for i, fn in enumerate(fns)}, cfg.repeats, cfg.warmup, clock)
+    return list(ms.values())
 
 
 def _tables(worker: Worker, num_requests: int, context_len: int, rows: int) -> list[list[int]]:
@@ -168,7 +163,8 @@ def profile_worker(worker: Worker, cfg: ProfileConfig, fingerprint: dict) -> Cos
     gamma = worker.drafter.config.block_size
     sizes, counts = _token_sizes(worker, cfg), request_counts(min(cfg.max_requests, cfg.max_tokens))
     shapes = [(r, t) for r in counts for t in sizes if r <= t <= _decode_top(r, gamma, sizes)]
-    bar = tqdm(total=3 * cfg.repeats, desc="measuring step costs (target, drafter, context)")
+    bar = tqdm(total=(len(shapes) + cfg.max_requests + 2) * cfg.repeats,      # timed calls
+               desc="measuring step costs (target, drafter, context)")
     sync = torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None)
     timed = _timed_in_rounds([_verify_fn(worker, r, t, gamma, cfg.context_len) for r, t in shapes],
                              cfg, bar, sync)

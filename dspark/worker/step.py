@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from dspark.outputs import TokenLogprobs
 from dspark.sampling_params import SamplingParams
 from dspark.spec.sampler import NoiseKey
@@ -89,15 +87,3 @@ class StepResult:
                                                   #   one entry per row (anchor + γ for a block)
     prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None   # per chunk that asked
 
-
-def to_host(tensors: list[torch.Tensor]) -> list[list]:
-    """The step's results as host lists, waiting for the device once: on CUDA each tensor is
-    copied into pinned memory without blocking and the stream synchronised a single time (one
-    `.tolist()` each would wait once per tensor)."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return [t.tolist() for t in tensors]
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for h, t in zip(host, tensors):
-        h.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return [h.tolist() for h in host]

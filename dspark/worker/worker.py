@@ -1,5 +1,5 @@
 """Owns the target's and drafter's KV caches and a step's device work; one wait for the device a
-step, when its results are read (`step.to_host`).
+step, when its results are read (`host_copy.to_host`).
 
 A step's chunks are prefill chunks, plain decode tokens and speculative blocks, all in one ragged
 target forward. For speculative blocks the drafter runs first and its drafts are written into
@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from dspark.host_copy import device_tensor
+from dspark.host_copy import device_tensor, to_host
 from dspark.kernels.cpu import greedy_tokens
 from dspark.models.drafter import Drafter
 from dspark.models.kv_cache import allocate_kv_cache
@@ -22,16 +22,16 @@ from dspark.models.model_config import ModelConfig
 from dspark.runner.runner import Runner
 from dspark.runner.step_key import StepKey
 from dspark.sampling_params import SamplingParams
-from dspark.spec.allocate import allocate
+from dspark.spec.planner import allocate
 from dspark.spec.sampler import SamplingTensors, sample
 from dspark.spec.sts import survival as cumulative_survival
 from dspark.spec.types import DraftProposal
 from dspark.spec.verify import accept, accept_greedy
 from dspark.worker.deferred_context import DeferredContext
-from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs
+from dspark.worker.inputs import RequestChunk, StepInputs, build_inputs, padded_tables
 from dspark.worker.logprobs import LogprobCollector, split_logits
 from dspark.worker.penalties import penalised_logits
-from dspark.worker.step import StepLayout, StepResult, WorkerBatch, to_host
+from dspark.worker.step import StepLayout, StepResult, WorkerBatch
 
 
 class Worker:
@@ -128,9 +128,7 @@ class Worker:
     def _survival(self, proposal, caps: torch.Tensor) -> torch.Tensor:
         """[R, γ] current cumulative survival (STS applied); slots past a request's cap get -1,
         below any real survival, so the allocator fills them last."""
-        z = proposal.confidence_logits
-        if z is None:
-            raise ValueError("confidence scheduling needs a drafter with a confidence head")
+        z = proposal.confidence_logits          # a verify budget comes from a policy, which needs the head
         temps = self.sts_temperatures if self.sts_temperatures is not None else torch.ones_like(z[0])
         survival = cumulative_survival(z, temps, self.sts_offsets)
         beyond = torch.arange(z.shape[1], device=z.device)[None, :] >= caps[:, None]
@@ -142,9 +140,7 @@ class Worker:
         chunks = [sampling[i] for i in spec_idx]
         anchors = device_tensor([c.token_ids[0] for c in chunks], torch.long, self.device)
         starts = device_tensor([c.start for c in chunks], torch.long, self.device)
-        width = max(len(c.block_table) for c in chunks)
-        tables = device_tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks],
-                               torch.long, self.device)
+        tables = device_tensor(padded_tables(chunks), torch.long, self.device)
         return self.runner.draft(self.draft_kv, anchors, starts, tables, st.select(spec_idx), key)
 
     def _place_drafts(self, inputs: StepInputs, layout: StepLayout, drafts: torch.Tensor) -> None:

@@ -7,8 +7,9 @@ from torch._inductor.utils import run_and_get_code
 from torch.profiler import ProfilerActivity, profile
 
 from dspark.kernels import cpu as kernels
-from dspark.models.layers.linear import Linear, linear, pack_for_inference, pack_linears
+from dspark.models.layers.linear import Linear, linear, pack_linears
 from dspark.models.loader import load_target
+from dspark.runner.setup import pack_for_inference
 from kernel_paths import PATH_MARKS
 from tiny import save_tiny
 

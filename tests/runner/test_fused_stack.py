@@ -7,7 +7,7 @@ import torch
 
 from dspark.runner.fused_cpu import fuse_small_steps, row_slots
 from dspark.kernels import cpu as cpu_kernels
-from dspark.models.layers.linear import pack_for_inference
+from dspark.runner.setup import pack_for_inference
 from dspark.models.loader import load_target
 from dspark.worker.inputs import RequestChunk, build_inputs
 from tiny import save_tiny

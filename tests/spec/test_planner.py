@@ -6,14 +6,16 @@ import itertools
 import pytest
 import torch
 
-from dspark.spec.allocate import allocate
-from dspark.spec.planner import CostTable, _set_prefix_sums, plan_step
+from dspark.spec.planner import CostTable, _set_prefix_sums, allocate, plan_step
 
 
-def plan_budget(survival, table, num_sampling, other_tokens, min_gain=0.05) -> int:
-    """The budget `plan_step` gives when every request drafts."""
-    forced = [True] * survival.shape[0]
-    return plan_step(survival, table, num_sampling, other_tokens, min_gain, forced=forced).budget
+def plan_budget(survival, table, num_sampling, other_tokens, min_gain=0.05) -> int | None:
+    """The budget `plan_step` gives when a drafter pass costs what it costs for every request
+    (`brute_force`'s price), whatever the draft set: no set then beats drafting every request
+    at the same budget, so the best budget is the one to find. None: a plain step."""
+    table.draft_ms = [0.0] + [table.draft_ms[survival.shape[0]]] * (len(table.draft_ms) - 1)
+    plan = plan_step(survival, table, num_sampling, other_tokens, min_gain)
+    return plan.budget if any(plan.drafted) else None
 
 TABLES = {
     "flat": lambda t: 10.0,
@@ -47,19 +49,23 @@ def test_budget_is_the_brute_force_optimum(kind, seed):
     s, t = survivals(r, gamma, seed), table(kind)
     best, rates = brute_force(s, t, r, r)
     got = plan_budget(s, t, num_sampling=r, other_tokens=r, min_gain=0.0)
-    assert rates[got] == pytest.approx(rates[best], rel=1e-6)
+    plain = r / t.verify_ms[0][r]
+    if got is None:
+        assert plain >= rates[best]
+        return
+    assert rates[got] == pytest.approx(rates[best], rel=1e-6) and rates[got] > plain
     if kind == "flat":                   # free tokens: verifying everything is optimal
         assert got == r * gamma
 
 
 def test_min_gain_keeps_verify_all_unless_trimming_pays():
-    r, gamma = 4, 7
-    s, t = survivals(r, gamma, 3), table("linear")
-    best, rates = brute_force(s, t, r, r)
+    r, gamma = 4, 7           # one sampling row: drafting beats a plain step by far more than min_gain
+    s, t = survivals(r, gamma, 3) ** 0.5, table("linear")
+    best, rates = brute_force(s, t, 1, r)
     gain = rates[best] / rates[r * gamma] - 1.0
-    assert 0 < gain and best < r * gamma
-    assert plan_budget(s, t, r, r, min_gain=gain * 0.9) == best
-    assert plan_budget(s, t, r, r, min_gain=gain * 1.1) == r * gamma
+    assert 0 < gain and best < r * gamma and rates[best] > (1 + 1.1 * gain) / t.verify_ms[0][r]
+    assert plan_budget(s, t, 1, r, min_gain=gain * 0.9) == best
+    assert plan_budget(s, t, 1, r, min_gain=gain * 1.1) == r * gamma
 
 
 def test_steps_past_the_table_are_priced_along_its_last_slope_and_fingerprint_mismatch_is_named(tmp_path):
@@ -110,13 +116,13 @@ def test_changing_a_draft_never_changes_whether_it_or_earlier_slots_are_verified
         assert min(int(a[row]), k + 1) == min(int(b[row]), k + 1)
 
 
-def brute_force_plan(s: torch.Tensor, t: CostTable, n: int, other: int, forced: list[bool], extra=None):
-    """Every nested draft set (top-r requests by expected accepted drafts, forced ones first) and
-    every budget within it, priced one by one (`extra` [R]: each member's own drafting cost)."""
+def brute_force_plan(s: torch.Tensor, t: CostTable, n: int, other: int, extra=None):
+    """Every nested draft set (top-r requests by expected accepted drafts) and every budget
+    within it, priced one by one (`extra` [R]: each member's own drafting cost)."""
     r_all, gamma = s.shape
-    order = sorted(range(r_all), key=lambda i: (not forced[i], -float(s[i].sum())))
+    order = sorted(range(r_all), key=lambda i: -float(s[i].sum()))
     best = (-1.0, None)
-    for size in range(sum(forced), r_all + 1):
+    for size in range(r_all + 1):
         flat = sorted(s[order[:size]].flatten().tolist(), reverse=True)
         draft = (t.draft_ms[size] if size else 0.0) + (sum(extra[i] for i in order[:size]) if extra is not None else 0.0)
         for b in range(len(flat) + 1):
@@ -138,12 +144,10 @@ def test_plan_with_a_draft_set_is_the_brute_force_optimum(kind, seed):
     r, gamma = 5, 4
     s, t = survivals(r, gamma, seed), table(kind)
     t.draft_ms = [0.0] + [3.0 + 2.0 * k for k in range(1, 9)]       # a pricier drafter
-    forced = [seed % 3 == 0 and i == seed % r for i in range(r)]
     extra = [1.5 * ((seed + i) % 3) for i in range(r)] if seed % 2 else None     # held rows' cost
-    best_rate, _ = brute_force_plan(s, t, r, r, forced, extra)
-    plan = plan_step(s, t, num_sampling=r, other_tokens=r, min_gain=0.0, forced=forced, draft_extra=extra)
+    best_rate, _ = brute_force_plan(s, t, r, r, extra)
+    plan = plan_step(s, t, num_sampling=r, other_tokens=r, min_gain=0.0, draft_extra=extra)
     assert rate_of(plan, s, t, r, r, extra) == pytest.approx(best_rate, rel=1e-6)
-    assert all(d for d, f in zip(plan.drafted, forced) if f)
 
 
 def test_a_drafter_that_cannot_pay_is_left_out_and_a_free_one_drafts_everyone():
@@ -151,8 +155,6 @@ def test_a_drafter_that_cannot_pay_is_left_out_and_a_free_one_drafts_everyone():
     t.draft_ms = [0.0] + [50.0 * r for r in range(1, 9)]             # 5x a target step, per request
     plan = plan_step(s, t, num_sampling=4, other_tokens=4)
     assert plan.drafted == [False] * 4 and plan.budget == 0 and not plan.verify_all
-    plan = plan_step(s, t, num_sampling=4, other_tokens=4, forced=[False, True, False, False])
-    assert plan.drafted == [False, True, False, False] and plan.budget <= 7
     t.draft_ms = [0.0] + [1e-6] * 8
     assert plan_step(s, t, num_sampling=4, other_tokens=4).verify_all
 
@@ -228,7 +230,7 @@ def test_the_bound_that_skips_pricing_draft_sets_never_hides_a_plan_that_pays(ki
             extra = np.random.default_rng(seed).uniform(0.0, 4.0, r) * (seed % 2)   # held rows' cost
             bound = _drafting_bound(s, extra, t, r, verify)
             skip = bound < (1 + min_gain) * plain
-            _, size, _, rate = _best_set(s, extra, np.zeros(r, dtype=bool), t, r, verify, plain, min_gain)
+            _, size, _, rate = _best_set(s, extra, t, r, verify, plain, min_gain)
             assert size == 0 or not skip
             assert size == 0 or rate <= bound * (1 + 1e-12)
             skipped.append(skip)
@@ -252,8 +254,7 @@ def test_verify_all_decided_by_the_bound_is_what_pricing_every_set_decides(kind)
                 verify = t.verify_costs(r, r + full + 1)
                 ones, plain = np.ones(full + 1), r / float(verify[0])
                 full_rate = (r + s.sum()) / (t.draft_costs([r])[0] + verify[full])
-                _, size, budget, rate = _best_set(s, np.zeros(r), np.zeros(r, dtype=bool), t, r, verify,
-                                                  plain, min_gain)
+                _, size, budget, rate = _best_set(s, np.zeros(r), t, r, verify, plain, min_gain)
                 keep_all = not (rate > full_rate and rate >= (1 + min_gain) * full_rate)
                 plan = plan_step(s, t, num_sampling=r, other_tokens=r, min_gain=min_gain)
                 assert plan.verify_all == keep_all

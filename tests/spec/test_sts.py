@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from dspark.spec.sts import STSCalibration, calibrate, ece, ece_floor, fit_sts, prefix_labels, survival
+from dspark.calibrate import calibrate, ece, ece_floor, fit_sts, prefix_labels
+from dspark.spec.sts import STSCalibration, survival
 
 
 def test_ece_hand_computed():

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.models.drafter_loader import load_drafter, save_speculators
+from dspark.models.drafter_loader import load_drafter
 from dspark.models.loader import load_target
+from dspark.train.export import save_speculators
 from dspark.train.prune_vocab import choose_vocab, coverage, prune_drafter
 from tiny import save_random_drafter, save_tiny, scatter_to_target_vocab
 

@@ -213,7 +213,7 @@ def test_init_from_a_reduced_draft_vocabulary_restores_the_kept_rows(tiny_run, t
     """A pruned drafter seeds a full-vocabulary run: its Markov W2 rows return to their target
     ids, the dropped ids' rows start at zero (with a warning), and every other weight is the
     original's."""
-    from dspark.models.drafter_loader import save_speculators
+    from dspark.train.export import save_speculators
     from dspark.train.prune_vocab import prune_drafter
     trainer = Trainer(config(tiny_run, "init_reduced", steps=1))
     trainer.train(use_tqdm=False)

@@ -25,8 +25,8 @@ def test_minus_one_blocks_write_nothing():
 def test_logits_rows_and_offsets():
     chunks = [RequestChunk([1, 2, 3, 4], 0, [0], 0), RequestChunk([7], 9, [1, 2, 3], 1),
               RequestChunk([8, 8, 8], 5, [4, 5], 3)]
-    inp = build_inputs(chunks, block_size=4, device=torch.device("cpu"))
-    assert inp.qo_indptr.tolist() == [0, 4, 5, 8]
+    inp = build_inputs(chunks, block_size=4, device=torch.device("cpu"), varlen=True)
+    assert inp.attn.varlen.cu_seq_q.tolist() == [0, 4, 5, 8]
     assert inp.logits_indices.tolist() == [4, 5, 6, 7]
     assert inp.positions.tolist() == [0, 1, 2, 3, 9, 5, 6, 7]
 

@@ -3,9 +3,10 @@ them, a plain decode row and blocks cut to different verify lengths."""
 
 import torch
 
+from dspark.host_copy import to_host
 from dspark.sampling_params import SamplingParams
 from dspark.worker.inputs import RequestChunk
-from dspark.worker.step import StepLayout, WorkerBatch, to_host
+from dspark.worker.step import StepLayout, WorkerBatch
 
 
 def batch() -> WorkerBatch:

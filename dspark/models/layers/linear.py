@@ -3,22 +3,17 @@
 A CPU decode step is a chain of few-row products, paced by how fast the weights stream. oneDNN
 streams a bf16 weight faster in its own blocked layout (same kernel, bit-identical results), and
 dspark's kernel (`cpu_kernels`) faster still at a few rows from its tile-by-tile copy
-(docs/internals.md). `pack_linears` converts an inference model once after loading; training
+(docs/internals.md). An inference model is packed once after loading (runner/setup.py); training
 never packs, because a packed copy does not follow updates to the weight.
 """
 
 from __future__ import annotations
-
-import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.kernels import cpu as cpu_kernels
-
-logger = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("dspark::packed_linear", mutates_args=())
@@ -33,25 +28,10 @@ def _packed_linear_shape(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tens
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
-@functools.cache
-def lower_packed_linear() -> None:
-    """Have inductor call oneDNN's operator directly where a compiled graph uses `packed_linear`,
-    not through the custom op's Python wrapper, paid once per projection. (Inductor's own lowering
-    of `_linear_pointwise` wants a frozen constant weight.) Once per process, before compiling."""
-    from torch._inductor.lowering import fallback_handler, register_lowering
-
-    call = fallback_handler(torch.ops.mkldnn._linear_pointwise.default, add_to_fallback_set=False)
-
-    @register_lowering(torch.ops.dspark.packed_linear.default, type_promotion_kind=None)
-    def _lowered(x, packed, bias):
-        return call(x, packed, bias, "none", [], "")
-
-
 def linear(x: Tensor, weight: Tensor, packed: Tensor | None, bias: Tensor | None = None,
            tiles: Tensor | None = None, amx: bool = False) -> Tensor:
-    """x [..., in] -> [..., out]: through the tile copy of `weight` (cpu_kernels.pack_tiles) when
-    there is one and x has at most cpu_kernels.tile_rows(amx) rows, else through the packed copy
-    when there is one. A weight with tiles is packed too (pack_linears), which gives the out size."""
+    """x [..., in] -> [..., out] through the tile copy for a few rows, else the packed copy, else
+    `weight`. A weight with tiles is packed too (pack_linears), which gives the out size."""
     if tiles is not None and 0 < x.numel() <= cpu_kernels.tile_rows(amx) * x.shape[-1]:
         out = cpu_kernels.tile_linear(x.reshape(-1, x.shape[-1]), tiles, packed.shape[0], bias, amx)
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -79,10 +59,6 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.packed, self.bias, self.tiles, self.amx)
 
-    def weight_bytes(self) -> int:
-        """Bytes one forward reads from the weight, whichever copy it uses."""
-        return self.in_features * self.out_features * self.weight.element_size()
-
 
 def can_pack(weight: Tensor) -> bool:
     """oneDNN's layout pays only for CPU weights of the dtypes measured (bf16)."""
@@ -104,25 +80,3 @@ def pack_linears(module: nn.Module, drop_dense: bool, tiles: bool = False) -> in
             m.weight.data = m.weight.data.new_empty(0)
         count += 1
     return count
-
-
-def pack_for_inference(target: nn.Module, drafter: nn.Module | None) -> int:
-    """Pack an engine's target and drafter. The target's LM head keeps its plain weight: it may
-    be tied to the embeddings, and a drafter derives its reduced-vocabulary head from it."""
-    tiles = can_pack(target.lm_head.weight) and cpu_kernels.available()
-    amx = tiles and cpu_kernels.tiles_available()
-    count = sum(pack_linears(layer, drop_dense=True, tiles=tiles) for layer in target.layers)
-    count += pack_linears(target.lm_head, drop_dense=False, tiles=tiles)
-    if drafter is not None:
-        count += pack_linears(drafter, drop_dense=True, tiles=tiles)
-        head = getattr(drafter, "draft_lm_head_weight", None)
-        if head is not None and head.numel() and can_pack(head):
-            drafter.draft_lm_head_packed = pack_weight(head)     # its reduced-vocabulary head
-            drafter.draft_lm_head_tiles = cpu_kernels.pack_tiles(head) if tiles else None
-            drafter.draft_lm_head_amx = amx
-            count += 1
-    if count:
-        logger.info("packed %d projection weights in oneDNN's layout%s", count,
-                    f", and tile by tile for steps of up to {cpu_kernels.tile_rows(amx)} rows" if tiles else "")
-    return count
-
