@@ -242,7 +242,6 @@ def test_vocabulary_from_the_training_responses_and_its_coverage(tmp_path):
     assert f"the {len(train)} training responses" in note and f"{len(held)} held-out responses" in note
 
 
-@pytest.mark.slow
 def test_prune_vocab_from_the_training_data_writes_the_coverage_in_the_card(tmp_path, caplog):
     import types
 
