@@ -6,16 +6,18 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
 
 from dspark.config import default_model_path
-from dspark.models.drafter import DrafterConfig
 from dspark.models.layers.rotary import RotaryEmbedding
 from dspark.models.llama import CausalLM
 from dspark.models.model_config import ModelConfig
+
+if TYPE_CHECKING:                    # the drafter's loader builds through build_on_meta too
+    from dspark.models.drafter import DrafterConfig
 
 logger = logging.getLogger(__name__)
 

@@ -166,9 +166,9 @@ def run_prune(args) -> None:
     spec = SpecConfig(drafter=args.drafter)
     spec.resolve_embedded(args.model)
     source = spec.drafter
-    decodes = not args.data_dir                  # counting a data folder's tokens runs no step
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, drafter=None,
-              max_num_seqs=args.max_num_seqs, **({} if decodes else {"graph": "eager"}))
+              max_num_seqs=args.max_num_seqs,
+              graph="eager" if args.data_dir else "auto")    # counting a data folder's tokens runs no step
     data_dir = args.data_dir
     counts = data_counts(data_dir) if data_dir else answer_counts(llm, args)
     vocab_size = llm.engine.model_config.vocab_size
