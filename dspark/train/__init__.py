@@ -5,7 +5,7 @@ Nothing outside this package imports it; it builds on the engine's model, drafte
 so that a trained drafter sees exactly the inputs inference gives it.
 
     prompts.py / topics.py   prompt sources available on every machine (no downloads)
-    self_prompts.py          user turns and conversations the target writes itself
+    self_prompts.py          user turns, conversations and coding requests the target writes itself
     packages.py              installed third-party packages: their functions and their prose
     doc_prompts.py           chat requests about installed packages' prose
     ood.py                   the out-of-distribution evaluation set (assets/ood_prompts.jsonl)

@@ -36,7 +36,7 @@ MANIFEST = "manifest.json"
 # settings that change what a shard holds; resuming with other values is refused
 PINNED = ("seed", "heldout_fraction", "chat_fraction", "max_tokens", "temperature", "top_p",
           "max_prompt_tokens", "model", "dtype", "prompt_source")
-PROMPT_SOURCES = ("local", "self", "docs")
+PROMPT_SOURCES = ("local", "self", "docs", "code-requests")
 
 
 @dataclass
@@ -58,7 +58,8 @@ class GenerateConfig:
     heldout_only: bool = False        # only the held-out split (a later full run adds the rest)
     prompt_source: str = "local"      # "local": prompts.py; "self": the target's own user turns
                                       # and installed packages' code (self_prompts.py); "docs":
-                                      # installed packages' prose (doc_prompts.py)
+                                      # installed packages' prose (doc_prompts.py);
+                                      # "code-requests": coding requests the target writes
 
     def __post_init__(self) -> None:
         if self.prompt_source not in PROMPT_SOURCES:
@@ -228,9 +229,11 @@ def generate_data(cfg: GenerateConfig) -> int:
               max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 1, num_threads=cfg.threads)
     if llm.tokenizer is None:
         raise ValueError("data generation needs a target with a tokenizer (and chat template)")
-    if cfg.prompt_source == "self":
-        from dspark.train.self_prompts import SelfPromptConfig, self_prompts
-        prompts = self_prompts(llm, SelfPromptConfig.from_generate(cfg), cfg.data_dir)
+    if cfg.prompt_source in ("self", "code-requests"):
+        from dspark.train.self_prompts import (SelfPromptConfig, build_code_requests,
+                                               build_self_prompts, self_prompts)
+        build = build_code_requests if cfg.prompt_source == "code-requests" else build_self_prompts
+        prompts = self_prompts(llm, SelfPromptConfig.from_generate(cfg), cfg.data_dir, build)
     elif cfg.prompt_source == "docs":
         from dspark.train.doc_prompts import doc_prompts
         prompts = doc_prompts(cfg.num_prompts, cfg.seed)

@@ -44,6 +44,11 @@ STOPWORDS = frozenset(
     "just know like make many more most much need only other over please should some such tell "
     "than that their them then there these they this those very want were what when where which "
     "while will with would write your".split())
+# how a coding request opens (`--prompt-source code-requests`); the target writes the rest
+CODE_REQUEST_LEADS: tuple[str, ...] = (
+    "Write a Python function that", "Write a Python program that", "Write a Python class that",
+    "In Python, how do I", "Can you show me Python code that", "Implement a Python function to",
+    "Write a short Python script to", "What is the best way in Python to")
 
 
 @dataclass
@@ -85,10 +90,10 @@ def _render(tokenizer, history: Sequence[tuple[str, str]]) -> tuple[str, str]:
     return head, tail
 
 
-def user_turn_prefix(tokenizer, history: Sequence[tuple[str, str]] = ()) -> list[int]:
+def user_turn_prefix(tokenizer, history: Sequence[tuple[str, str]] = (), lead: str = "") -> list[int]:
     """Token ids up to the start of a user turn's text: the template's system turn (its default
-    when there is none), the earlier turns, then the user-role header."""
-    return tokenizer.encode(_render(tokenizer, history)[0], add_special_tokens=False)
+    when there is none), the earlier turns, then the user-role header (and the turn's `lead`)."""
+    return tokenizer.encode(_render(tokenizer, history)[0] + lead, add_special_tokens=False)
 
 
 def special_strings(tokenizer) -> list[str]:
@@ -127,7 +132,9 @@ def turn_problem(text: str | None, specials: Sequence[str], cfg: SelfPromptConfi
 
 
 def topic_key(text: str) -> str:
-    """The turn's two longest content words: paraphrases of one request share it."""
+    """The turn's two longest content words: paraphrases of one request share it (a coding
+    request's are read after its opening, which many requests share)."""
+    text = next((text[len(lead):] for lead in CODE_REQUEST_LEADS if text.startswith(lead)), text)
     words = {w for w in re.findall(r"[a-z]+", text.lower()) if len(w) >= 4 and w not in STOPWORDS}
     picked = sorted(sorted(words), key=len, reverse=True)[:2]
     return "topic:" + ("+".join(sorted(picked)) if picked else dedup_key(text)[:40])
@@ -167,17 +174,21 @@ class _Writer:
         self.seen: set[str] = set()
         self.rejected: dict[str, int] = {}
 
-    def user_turns(self, histories: Sequence[tuple], uids: Sequence[str]) -> list[str | None]:
+    def user_turns(self, histories: Sequence[tuple], uids: Sequence[str],
+                   leads: Sequence[str] | None = None) -> list[str | None]:
         cfg = self.cfg
+        leads = leads or [""] * len(uids)
         params = [SamplingParams(temperature=cfg.user_temperature, top_p=cfg.user_top_p,
                                  max_tokens=cfg.user_max_tokens, seed=_seed(cfg.seed, uid),
                                  stop_token_ids=self.ends) for uid in uids]
-        outs = self.llm.generate([user_turn_prefix(self.tok, h) for h in histories], params)
+        outs = self.llm.generate([user_turn_prefix(self.tok, h, lead) for h, lead in zip(histories, leads)],
+                                 params)
         texts = []
-        for out in outs:
+        for out, lead in zip(outs, leads):
             ids = list(out.token_ids)
             done = out.finish_reason == "stop" and bool(ids) and ids[-1] in self.ends
-            texts.append(self.tok.decode(ids[:-1], skip_special_tokens=False).strip() if done else None)
+            rest = self.tok.decode(ids[:-1], skip_special_tokens=False) if done else None
+            texts.append(None if rest is None else _joined(lead, rest).strip())
         return texts
 
     def answers(self, turns: Sequence[str], uids: Sequence[str]) -> list[str]:
@@ -199,16 +210,19 @@ class _Writer:
         self.seen.add(dedup_key(text))
         return True
 
-    def single_turns(self, want: int) -> list[Prompt]:
+    def single_turns(self, want: int, leads: Sequence[str] = ()) -> list[Prompt]:
+        """User turns; with `leads`, coding requests, each opened by the lead its seed picks."""
         kept: list[Prompt] = []
-        with tqdm(total=want, desc="the target writing user turns") as bar:
+        tag, kind, what = ("c", "code_chat", "coding requests") if leads else ("u", "chat", "user turns")
+        with tqdm(total=want, desc=f"the target writing {what}") as bar:
             for lo in range(0, want * self.cfg.max_candidates, self.cfg.batch):
                 if len(kept) >= want:
                     break
-                uids = [f"self:u{i}" for i in range(lo, lo + self.cfg.batch)]
-                for uid, text in zip(uids, self.user_turns([()] * len(uids), uids)):
+                uids = [f"self:{tag}{i}" for i in range(lo, lo + self.cfg.batch)]
+                opened = [leads[_seed(self.cfg.seed, u) % len(leads)] for u in uids] if leads else None
+                for uid, text in zip(uids, self.user_turns([()] * len(uids), uids, opened)):
                     if len(kept) < want and self.accept(text):
-                        kept.append(Prompt(uid, "", "chat", text))
+                        kept.append(Prompt(uid, "", kind, text))
                 bar.update(len(kept) - bar.n)
         return kept
 
@@ -279,9 +293,27 @@ def build_self_prompts(llm, cfg: SelfPromptConfig, path: list[str] | None = None
     return interleave(prompts[:len(chat)], prompts[len(chat):])
 
 
-def self_prompts(llm, cfg: SelfPromptConfig, cache_dir: str) -> list[Prompt]:
-    """`build_self_prompts`, kept in `<cache_dir>/self_prompts.json`: a resumed data run reads
-    the list instead of sampling it again."""
+def build_code_requests(llm, cfg: SelfPromptConfig, path: list[str] | None = None) -> list[Prompt]:
+    """`cfg.num_prompts` coding requests the target writes after one of CODE_REQUEST_LEADS:
+    everyday programming tasks in a user's words, which the documented functions of packages
+    (a signature and docstring to fill in) do not ask. Split by the topic after the opening."""
+    if llm.tokenizer is None or not llm.tokenizer.chat_template:
+        raise ValueError("self-written prompts need a target with a tokenizer and chat template")
+    writer = _Writer(llm, cfg)
+    prompts = writer.single_turns(cfg.num_prompts, CODE_REQUEST_LEADS)
+    logger.info("coding requests: %d (rejected: %s)", len(prompts), writer.rejected)
+    groups = split_groups([prompt_keys(p) for p in prompts])
+    return [dataclasses.replace(p, group=g) for p, g in zip(prompts, groups)]
+
+
+def _joined(lead: str, rest: str) -> str:
+    """A lead and the target's continuation (which a tokenizer may decode without the space)."""
+    return lead + rest if not lead or not rest or rest[0].isspace() or rest[0] in ",.?:;" else f"{lead} {rest}"
+
+
+def self_prompts(llm, cfg: SelfPromptConfig, cache_dir: str, build=build_self_prompts) -> list[Prompt]:
+    """`build` (self-written prompts or coding requests), kept in `<cache_dir>/self_prompts.json`:
+    a resumed data run reads the list instead of sampling it again."""
     path = os.path.join(cache_dir, CACHE)
     if os.path.isfile(path):
         with open(path) as f:
@@ -290,7 +322,7 @@ def self_prompts(llm, cfg: SelfPromptConfig, cache_dir: str) -> list[Prompt]:
             return [Prompt(p["uid"], p["group"], p["kind"], p["text"],
                            tuple(tuple(turn) for turn in p["history"])) for p in saved["prompts"]]
         logger.info("%s was made with other settings; sampling the prompts again", path)
-    prompts = build_self_prompts(llm, cfg)
+    prompts = build(llm, cfg)
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from dspark.train.packages import EVAL_DISTRIBUTIONS, normalize, training_distributions
 from dspark.train.prompts import is_heldout
-from dspark.train.self_prompts import (SelfPromptConfig, build_self_prompts, dedup_key,
-                                       prompt_keys, special_strings, split_groups, topic_key,
-                                       turn_end_ids, turn_problem, user_turn_prefix)
+from dspark.train.self_prompts import (CODE_REQUEST_LEADS, SelfPromptConfig, build_code_requests,
+                                       build_self_prompts, dedup_key, prompt_keys, special_strings,
+                                       split_groups, topic_key, turn_end_ids, turn_problem,
+                                       user_turn_prefix)
 from train_helpers import fake_distribution, tiny_chat_target
 
 
@@ -114,6 +115,27 @@ def test_generated_prompts_respect_the_split(chat_llm):
         keys = prompt_keys(p) if p.kind == "chat" else [p.group.removeprefix("self:")]
         for k in keys:
             assert side.setdefault(k, is_heldout(p.group, 0.3)) == is_heldout(p.group, 0.3)
+
+
+def test_coding_requests_are_seeded_opened_by_a_lead_and_split_after_it(chat_llm):
+    llm, site, _ = chat_llm
+    cfg = small(0, num_prompts=12)
+    first = build_code_requests(llm, cfg, path=site)
+    assert first == build_code_requests(llm, cfg, path=site)
+    assert first != build_code_requests(llm, small(1, num_prompts=12), path=site)
+    assert len(first) == 12 and all(p.kind == "code_chat" and p.uid.startswith("self:c") for p in first)
+    assert all(any(p.text.startswith(lead + " ") for lead in CODE_REQUEST_LEADS) for p in first)
+    assert len({p.text for p in first}) > 1 and len({dedup_key(p.text) for p in first}) == len(first)
+    specials = special_strings(llm.tokenizer)
+    assert all(turn_problem(p.text, specials, cfg) is None for p in first)
+    # the prompt the target continued is the template up to the user turn, then the lead
+    lead = next(lead for lead in CODE_REQUEST_LEADS if first[0].text.startswith(lead))
+    assert user_turn_prefix(llm.tokenizer, (), lead)[:len(user_turn_prefix(llm.tokenizer))] == \
+        user_turn_prefix(llm.tokenizer)
+    # the opening is no topic: two requests with one opening and other tasks get other keys
+    assert topic_key("Write a Python function that parses dates") != \
+        topic_key("Write a Python function that merges lists")
+    assert [p.group for p in first] == split_groups([prompt_keys(p) for p in first])
 
 
 @pytest.mark.slow
