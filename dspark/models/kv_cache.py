@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 
 import torch
@@ -36,7 +38,19 @@ def num_blocks_for_budget(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dty
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V), each [num_blocks * block_size, kv_heads, head_dim]."""
+    """Per layer (K, V), each [num_blocks * block_size, kv_heads, head_dim], all zeros."""
     shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    return [(untouched_zeros(shape, dtype, device), untouched_zeros(shape, dtype, device))
             for _ in range(cfg.num_layers)]
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that cost nothing until written. On the CPU `torch.zeros` writes every byte of a
+    cache sized in gigabytes before the first request (seconds of start-up, all of it resident);
+    an anonymous mapping is zero by the operating system's guarantee and gets its pages at
+    their first write, so only the blocks requests use are ever paid for. Masked reads past a
+    request's context still see zeros, as with `torch.zeros`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

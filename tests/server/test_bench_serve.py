@@ -20,7 +20,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 @pytest.mark.slow                       # a server process starts and measures
 def test_launch_with_drafter(target_dir, drafter_dir, capsys):
     args = parse(["--launch", "--model", target_dir, "--drafter", drafter_dir, "--dtype", "float32",
-                  "--kv-cache-bytes", str(4 << 20), "--max-model-len", "128", "--concurrency", "1,3",
+                  "--kv-cache-bytes", str(4 << 20), "--max-model-len", "128", "--graph", "eager",
+                  "--spec-schedule", "verify-all", "--concurrency", "1,3",
                   "--input-tokens", "10", "--output-tokens", "12", "--repetitions", "2", "--warmup", "1"])
     report = bench.run_serve_bench(args)
     lines = capsys.readouterr().out.strip().splitlines()
