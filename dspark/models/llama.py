@@ -195,7 +195,7 @@ class CausalLM(nn.Module):
                 dst = params[target] if shard is None else params[target].narrow(0, start, rows)
                 if tuple(dst.shape) != tuple(tensor.shape):
                     raise ValueError(f"weight shape {tuple(tensor.shape)} does not match {tuple(dst.shape)}")
-                dst.copy_(tensor.to(dst.dtype))
+                dst.copy_(tensor)                   # converts in the same pass
             loaded.add(name)
         # fail at load time, not at the first forward, naming weights as the checkpoint does: a
         # fused parameter by each projection it holds
