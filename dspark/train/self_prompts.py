@@ -4,7 +4,9 @@ A chat model has read many user turns in its own training, so sampling from its 
 after a user-role header, at a high temperature, gives requests from its own idea of what users
 ask, in any domain, with no dataset to download; the drafter then learns the target's answers to
 them (data.py). Some become conversations: a generated user turn, the target's answer, then
-another generated user turn, which the data's response answers. Code prompts come from the
+another generated user turn, which the data's response answers. Coding requests
+(`--prompt-source code-requests`) are user turns opened with a fixed phrase ("Write a Python
+function that") that the target completes. Code prompts come from the
 documented functions of installed third-party packages (packages.py; the standard library stays
 with prompts.py, and the packages reserved for evaluation are never read).
 
@@ -169,6 +171,8 @@ class _Writer:
     """Samples user turns and answers for one run, and keeps what it accepted (the dedup set)."""
 
     def __init__(self, llm, cfg: SelfPromptConfig):
+        if llm.tokenizer is None or not llm.tokenizer.chat_template:
+            raise ValueError("self-written prompts need a target with a tokenizer and chat template")
         self.llm, self.cfg, self.tok = llm, cfg, llm.tokenizer
         self.ends, self.specials = turn_end_ids(self.tok), special_strings(self.tok)
         self.seen: set[str] = set()
@@ -276,8 +280,6 @@ def package_prompts(count: int, seed: int, per_package: int,
 def build_self_prompts(llm, cfg: SelfPromptConfig, path: list[str] | None = None) -> list[Prompt]:
     """`cfg.num_prompts` prompts (fewer when the filters reject too many), chat and code
     interleaved, each with its split group."""
-    if llm.tokenizer is None or not llm.tokenizer.chat_template:
-        raise ValueError("self-written prompts need a target with a tokenizer and chat template")
     n_code = cfg.num_prompts - round(cfg.num_prompts * cfg.chat_fraction)
     n_chat = cfg.num_prompts - n_code
     n_multi = round(n_chat * cfg.multi_turn_fraction)
@@ -293,12 +295,10 @@ def build_self_prompts(llm, cfg: SelfPromptConfig, path: list[str] | None = None
     return interleave(prompts[:len(chat)], prompts[len(chat):])
 
 
-def build_code_requests(llm, cfg: SelfPromptConfig, path: list[str] | None = None) -> list[Prompt]:
+def build_code_requests(llm, cfg: SelfPromptConfig) -> list[Prompt]:
     """`cfg.num_prompts` coding requests the target writes after one of CODE_REQUEST_LEADS:
     everyday programming tasks in a user's words, which the documented functions of packages
     (a signature and docstring to fill in) do not ask. Split by the topic after the opening."""
-    if llm.tokenizer is None or not llm.tokenizer.chat_template:
-        raise ValueError("self-written prompts need a target with a tokenizer and chat template")
     writer = _Writer(llm, cfg)
     prompts = writer.single_turns(cfg.num_prompts, CODE_REQUEST_LEADS)
     logger.info("coding requests: %d (rejected: %s)", len(prompts), writer.rejected)

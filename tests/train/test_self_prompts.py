@@ -118,11 +118,11 @@ def test_generated_prompts_respect_the_split(chat_llm):
 
 
 def test_coding_requests_are_seeded_opened_by_a_lead_and_split_after_it(chat_llm):
-    llm, site, _ = chat_llm
+    llm = chat_llm[0]
     cfg = small(0, num_prompts=12)
-    first = build_code_requests(llm, cfg, path=site)
-    assert first == build_code_requests(llm, cfg, path=site)
-    assert first != build_code_requests(llm, small(1, num_prompts=12), path=site)
+    first = build_code_requests(llm, cfg)
+    assert first == build_code_requests(llm, cfg)
+    assert first != build_code_requests(llm, small(1, num_prompts=12))
     assert len(first) == 12 and all(p.kind == "code_chat" and p.uid.startswith("self:c") for p in first)
     assert all(any(p.text.startswith(lead + " ") for lead in CODE_REQUEST_LEADS) for p in first)
     assert len({p.text for p in first}) > 1 and len({dedup_key(p.text) for p in first}) == len(first)
