@@ -128,7 +128,7 @@ def write_model_card(export_dir: str, run_dir: str, cfg, drafter_config, num_par
         shutil.copyfile(curves, os.path.join(export_dir, CURVES))
         lines += [f"![training curves]({CURVES})", ""]
     if keep is not None:
-        lines.append(coverage_note(data_counts(cfg.data_path), keep, drafter_config.vocab_size,
+        lines.append(coverage_note(data_counts(cfg.data_path, cfg.extra_data_dirs), keep, drafter_config.vocab_size,
                                    f"dspark train-draft --draft-vocab {keep.numel()}"))
     path = os.path.join(export_dir, "README.md")
     with open(path, "w") as f:

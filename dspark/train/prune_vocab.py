@@ -105,12 +105,19 @@ def response_token_counts(data_dir: str, heldout: bool) -> tuple[Counter, int]:
     return Counter(dict(zip(ids.tolist(), counts[ids].tolist()))), len(samples)
 
 
-def data_counts(data_dir: str) -> TokenCounts:
+def data_counts(data_dir: str, extra_dirs: tuple[str, ...] = ()) -> TokenCounts:
+    """The training responses of `data_dir` and of every extra folder a run trains on (a
+    vocabulary counted on the first folder alone misses what the others add, e.g. code beside
+    chat); the held-out ones of `data_dir`, which rules the split."""
     train, n_train = response_token_counts(data_dir, heldout=False)
+    for extra in extra_dirs:
+        more, n_more = response_token_counts(extra, heldout=False)
+        train, n_train = train + more, n_train + n_more
     held, n_held = response_token_counts(data_dir, heldout=True)
     if not train:
         raise ValueError(f"{data_dir!r} holds no training responses to count")
-    return TokenCounts(train, held, f"the {n_train} training responses in `{data_dir}`",
+    folders = ", ".join(f"`{d}`" for d in (data_dir, *extra_dirs))
+    return TokenCounts(train, held, f"the {n_train} training responses in {folders}",
                        f"the {n_held} held-out responses")
 
 

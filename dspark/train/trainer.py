@@ -163,7 +163,7 @@ class Trainer:
         if saved is not None:
             return Drafter(dataclasses.replace(drafter.config, draft_vocab_size=size),
                            self.target.model.embed_tokens, self.target.model.lm_head)
-        counts = data_counts(self.cfg.data_path)
+        counts = data_counts(self.cfg.data_path, self.cfg.extra_data_dirs)
         keep = choose_vocab(counts.train, size, self.target.config.vocab_size,
                             sorted(self.target.config.eos_token_ids))
         logger.info("draft vocabulary of %d tokens: coverage %.2f%% on %s, %.2f%% on %s", size,

@@ -231,6 +231,10 @@ def test_vocabulary_from_the_training_responses_and_its_coverage(tmp_path):
     shuffled = Counter(dict(sorted(both.train.items(), key=lambda kv: -kv[0])))
     assert torch.equal(keep, choose_vocab(shuffled, 20, VOCAB, always=[2]))
     assert torch.equal(keep, choose_vocab(data_counts(data_dir).train, 20, VOCAB, always=[2]))
+    more_train, _ = write_data(str(tmp_path / "more"))           # a second folder counts too
+    joined = data_counts(data_dir, (str(tmp_path / "more"),))
+    assert joined.train == counts + Counter(t for r in more_train for t in r)
+    assert joined.heldout == both.heldout and "`" + str(tmp_path / "more") + "`" in joined.train_source
     kept = set(keep.tolist())
     by_hand = {name: sum(t in kept for r in rs for t in r) / sum(len(r) for r in rs)
                for name, rs in (("train", train), ("held", held))}
