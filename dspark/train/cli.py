@@ -46,12 +46,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     act.add_argument("--plot", action="store_true", help="write <out>/training_curves.png")
     gen = p.add_argument_group("data generation")
     gen.add_argument("--num-prompts", type=int, default=4000)
-    gen.add_argument("--prompt-source", choices=["local", "self", "docs", "code-requests"], default="local",
+    gen.add_argument("--prompt-source", choices=["local", "self", "docs", "code-requests", "chat-requests"], default="local",
                      help="local: standard-library code and handwritten topics; self: user turns "
                           "the target writes itself (single and multi-turn) and the code of "
                           "installed packages; docs: chat requests about installed packages' "
-                          "prose; code-requests: coding requests the target writes after a fixed "
-                          "opening (docs/training_data.md)")
+                          "prose; code-requests / chat-requests: coding / everyday requests the "
+                          "target writes after a fixed opening (docs/training_data.md)")
     gen.add_argument("--max-tokens", type=int, default=192, help="response length cap")
     gen.add_argument("--temperature", type=float, default=0.2,
                      help="the target's recommended sampling (SmolLM2: 0.2, top-p 0.9)")

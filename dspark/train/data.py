@@ -14,6 +14,7 @@ stopped. A manifest pins the settings; resuming with different ones is an error,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -36,7 +37,7 @@ MANIFEST = "manifest.json"
 # settings that change what a shard holds; resuming with other values is refused
 PINNED = ("seed", "heldout_fraction", "chat_fraction", "max_tokens", "temperature", "top_p",
           "max_prompt_tokens", "model", "dtype", "prompt_source")
-PROMPT_SOURCES = ("local", "self", "docs", "code-requests")
+PROMPT_SOURCES = ("local", "self", "docs", "code-requests", "chat-requests")
 
 
 @dataclass
@@ -59,7 +60,8 @@ class GenerateConfig:
     prompt_source: str = "local"      # "local": prompts.py; "self": the target's own user turns
                                       # and installed packages' code (self_prompts.py); "docs":
                                       # installed packages' prose (doc_prompts.py);
-                                      # "code-requests": coding requests the target writes
+                                      # "code-requests" / "chat-requests": coding / everyday
+                                      # requests the target writes after a fixed opening
 
     def __post_init__(self) -> None:
         if self.prompt_source not in PROMPT_SOURCES:
@@ -229,10 +231,11 @@ def generate_data(cfg: GenerateConfig) -> int:
               max_model_len=cfg.max_prompt_tokens + cfg.max_tokens + 1, num_threads=cfg.threads)
     if llm.tokenizer is None:
         raise ValueError("data generation needs a target with a tokenizer (and chat template)")
-    if cfg.prompt_source in ("self", "code-requests"):
-        from dspark.train.self_prompts import (SelfPromptConfig, build_code_requests,
+    if cfg.prompt_source in ("self", "code-requests", "chat-requests"):
+        from dspark.train.self_prompts import (SelfPromptConfig, build_requests,
                                                build_self_prompts, self_prompts)
-        build = build_code_requests if cfg.prompt_source == "code-requests" else build_self_prompts
+        build = build_self_prompts if cfg.prompt_source == "self" else \
+            functools.partial(build_requests, source=cfg.prompt_source)
         prompts = self_prompts(llm, SelfPromptConfig.from_generate(cfg), cfg.data_dir, build)
     elif cfg.prompt_source == "docs":
         from dspark.train.doc_prompts import doc_prompts

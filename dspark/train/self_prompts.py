@@ -5,8 +5,9 @@ after a user-role header, at a high temperature, gives requests from its own ide
 ask, in any domain, with no dataset to download; the drafter then learns the target's answers to
 them (data.py). Some become conversations: a generated user turn, the target's answer, then
 another generated user turn, which the data's response answers. Coding requests
-(`--prompt-source code-requests`) are user turns opened with a fixed phrase ("Write a Python
-function that") that the target completes. Code prompts come from the
+(`--prompt-source code-requests`) and everyday requests (`--prompt-source chat-requests`) are
+user turns opened with a fixed phrase ("Write a Python function that", "Give me some tips for")
+that the target completes. Code prompts come from the
 documented functions of installed third-party packages (packages.py; the standard library stays
 with prompts.py, and the packages reserved for evaluation are never read).
 
@@ -51,6 +52,13 @@ CODE_REQUEST_LEADS: tuple[str, ...] = (
     "Write a Python function that", "Write a Python program that", "Write a Python class that",
     "In Python, how do I", "Can you show me Python code that", "Implement a Python function to",
     "Write a short Python script to", "What is the best way in Python to")
+# how an everyday request opens (`--prompt-source chat-requests`): the common openings of requests
+# to an assistant, so the turns read as a user's rather than as the target's free association
+CHAT_REQUEST_LEADS: tuple[str, ...] = (
+    "Explain", "Can you explain", "Why do", "How does", "What are some", "Give me some tips for",
+    "Write a short story about", "Write a poem about", "Describe", "Summarize", "What should I",
+    "How can I", "Help me write", "What is the difference between", "Suggest", "Tell me about")
+REQUEST_LEADS = {"code-requests": CODE_REQUEST_LEADS, "chat-requests": CHAT_REQUEST_LEADS}
 
 
 @dataclass
@@ -136,7 +144,9 @@ def turn_problem(text: str | None, specials: Sequence[str], cfg: SelfPromptConfi
 def topic_key(text: str) -> str:
     """The turn's two longest content words: paraphrases of one request share it (a coding
     request's are read after its opening, which many requests share)."""
-    text = next((text[len(lead):] for lead in CODE_REQUEST_LEADS if text.startswith(lead)), text)
+    leads = sorted(CODE_REQUEST_LEADS + CHAT_REQUEST_LEADS, key=len, reverse=True)
+    text = next((text[len(lead):] for lead in leads
+                 if text.startswith(lead) and not text[len(lead):len(lead) + 1].isalnum()), text)
     words = {w for w in re.findall(r"[a-z]+", text.lower()) if len(w) >= 4 and w not in STOPWORDS}
     picked = sorted(sorted(words), key=len, reverse=True)[:2]
     return "topic:" + ("+".join(sorted(picked)) if picked else dedup_key(text)[:40])
@@ -214,10 +224,13 @@ class _Writer:
         self.seen.add(dedup_key(text))
         return True
 
-    def single_turns(self, want: int, leads: Sequence[str] = ()) -> list[Prompt]:
-        """User turns; with `leads`, coding requests, each opened by the lead its seed picks."""
+    def single_turns(self, want: int, source: str = "self") -> list[Prompt]:
+        """User turns; for a request source, each opened by the lead its seed picks."""
         kept: list[Prompt] = []
-        tag, kind, what = ("c", "code_chat", "coding requests") if leads else ("u", "chat", "user turns")
+        leads = REQUEST_LEADS.get(source, ())
+        tag, kind, what = {"code-requests": ("c", "code_chat", "coding requests"),
+                           "chat-requests": ("r", "chat", "everyday requests")}.get(
+                               source, ("u", "chat", "user turns"))
         with tqdm(total=want, desc=f"the target writing {what}") as bar:
             for lo in range(0, want * self.cfg.max_candidates, self.cfg.batch):
                 if len(kept) >= want:
@@ -295,13 +308,14 @@ def build_self_prompts(llm, cfg: SelfPromptConfig, path: list[str] | None = None
     return interleave(prompts[:len(chat)], prompts[len(chat):])
 
 
-def build_code_requests(llm, cfg: SelfPromptConfig) -> list[Prompt]:
-    """`cfg.num_prompts` coding requests the target writes after one of CODE_REQUEST_LEADS:
-    everyday programming tasks in a user's words, which the documented functions of packages
-    (a signature and docstring to fill in) do not ask. Split by the topic after the opening."""
+def build_requests(llm, cfg: SelfPromptConfig, source: str) -> list[Prompt]:
+    """`cfg.num_prompts` requests the target writes after one of the source's REQUEST_LEADS:
+    coding tasks in a user's words, which the documented functions of packages (a signature and
+    docstring to fill in) do not ask, or everyday requests, which unopened self-written turns
+    rarely phrase as users do. Split by the topic after the opening."""
     writer = _Writer(llm, cfg)
-    prompts = writer.single_turns(cfg.num_prompts, CODE_REQUEST_LEADS)
-    logger.info("coding requests: %d (rejected: %s)", len(prompts), writer.rejected)
+    prompts = writer.single_turns(cfg.num_prompts, source)
+    logger.info("%s: %d (rejected: %s)", source, len(prompts), writer.rejected)
     groups = split_groups([prompt_keys(p) for p in prompts])
     return [dataclasses.replace(p, group=g) for p, g in zip(prompts, groups)]
 

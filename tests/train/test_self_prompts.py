@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from dspark.train.packages import EVAL_DISTRIBUTIONS, normalize, training_distributions
 from dspark.train.prompts import is_heldout
-from dspark.train.self_prompts import (CODE_REQUEST_LEADS, SelfPromptConfig, build_code_requests,
+from dspark.train.self_prompts import (CHAT_REQUEST_LEADS, CODE_REQUEST_LEADS, SelfPromptConfig, build_requests,
                                        build_self_prompts, dedup_key, prompt_keys, special_strings,
                                        split_groups, topic_key, turn_end_ids, turn_problem,
                                        user_turn_prefix)
@@ -117,25 +117,35 @@ def test_generated_prompts_respect_the_split(chat_llm):
             assert side.setdefault(k, is_heldout(p.group, 0.3)) == is_heldout(p.group, 0.3)
 
 
-def test_coding_requests_are_seeded_opened_by_a_lead_and_split_after_it(chat_llm):
+@pytest.mark.parametrize("source,leads,kind,tag", [
+    ("code-requests", CODE_REQUEST_LEADS, "code_chat", "self:c"),
+    ("chat-requests", CHAT_REQUEST_LEADS, "chat", "self:r")])
+def test_requests_are_seeded_opened_by_a_lead_and_split_after_it(chat_llm, source, leads, kind, tag):
     llm = chat_llm[0]
     cfg = small(0, num_prompts=12)
-    first = build_code_requests(llm, cfg)
-    assert first == build_code_requests(llm, cfg)
-    assert first != build_code_requests(llm, small(1, num_prompts=12))
-    assert len(first) == 12 and all(p.kind == "code_chat" and p.uid.startswith("self:c") for p in first)
-    assert all(any(p.text.startswith(lead + " ") for lead in CODE_REQUEST_LEADS) for p in first)
+    first = build_requests(llm, cfg, source)
+    assert first == build_requests(llm, cfg, source)
+    assert first != build_requests(llm, small(1, num_prompts=12), source)
+    assert len(first) == 12 and all(p.kind == kind and p.uid.startswith(tag) for p in first)
+    assert all(any(p.text.startswith(lead + " ") for lead in leads) for p in first)
     assert len({p.text for p in first}) > 1 and len({dedup_key(p.text) for p in first}) == len(first)
     specials = special_strings(llm.tokenizer)
     assert all(turn_problem(p.text, specials, cfg) is None for p in first)
     # the prompt the target continued is the template up to the user turn, then the lead
-    lead = next(lead for lead in CODE_REQUEST_LEADS if first[0].text.startswith(lead))
+    lead = next(lead for lead in leads if first[0].text.startswith(lead))
     assert user_turn_prefix(llm.tokenizer, (), lead)[:len(user_turn_prefix(llm.tokenizer))] == \
         user_turn_prefix(llm.tokenizer)
-    # the opening is no topic: two requests with one opening and other tasks get other keys
-    assert topic_key("Write a Python function that parses dates") != \
-        topic_key("Write a Python function that merges lists")
+    # the opening is no topic: two requests with one opening and other tasks get other keys,
+    # and one task with two openings gets one key
+    assert topic_key(f"{leads[0]} parsing dates") != topic_key(f"{leads[0]} merging lists")
+    assert topic_key(f"{leads[0]} parsing dates") == topic_key(f"{leads[1]} parsing dates")
     assert [p.group for p in first] == split_groups([prompt_keys(p) for p in first])
+
+
+def test_an_opening_is_stripped_only_as_whole_words():
+    # "Suggest" opens "Suggest gardening ideas", not "Suggestions": the word stays a topic word
+    assert topic_key("Suggestions about gardening") != topic_key("Suggest gardening")
+    assert topic_key("Suggest gardening") == topic_key("Describe gardening")
 
 
 @pytest.mark.slow
