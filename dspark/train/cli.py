@@ -46,7 +46,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     act.add_argument("--plot", action="store_true", help="write <out>/training_curves.png")
     gen = p.add_argument_group("data generation")
     gen.add_argument("--num-prompts", type=int, default=4000)
-    gen.add_argument("--prompt-source", choices=["local", "self", "docs", "code-requests", "chat-requests"], default="local",
+    gen.add_argument("--prompt-source", default="local",
+                     choices=["local", "self", "docs", "code-requests", "chat-requests"],
                      help="local: standard-library code and handwritten topics; self: user turns "
                           "the target writes itself (single and multi-turn) and the code of "
                           "installed packages; docs: chat requests about installed packages' "

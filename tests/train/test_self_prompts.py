@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from dspark.train.packages import EVAL_DISTRIBUTIONS, normalize, training_distributions
 from dspark.train.prompts import is_heldout
-from dspark.train.self_prompts import (CHAT_REQUEST_LEADS, CODE_REQUEST_LEADS, SelfPromptConfig, build_requests,
-                                       build_self_prompts, dedup_key, prompt_keys, special_strings,
+from dspark.train.self_prompts import (CHAT_REQUEST_LEADS, CODE_REQUEST_LEADS, SelfPromptConfig,
+                                       build_requests, build_self_prompts, dedup_key, prompt_keys, special_strings,
                                        split_groups, topic_key, turn_end_ids, turn_problem,
                                        user_turn_prefix)
 from train_helpers import fake_distribution, tiny_chat_target
