@@ -58,7 +58,11 @@ CHAT_REQUEST_LEADS: tuple[str, ...] = (
     "Explain", "Can you explain", "Why do", "How does", "What are some", "Give me some tips for",
     "Write a short story about", "Write a poem about", "Describe", "Summarize", "What should I",
     "How can I", "Help me write", "What is the difference between", "Suggest", "Tell me about")
-REQUEST_LEADS = {"code-requests": CODE_REQUEST_LEADS, "chat-requests": CHAT_REQUEST_LEADS}
+# a request source: its uid tag, the prompts' kind, what the progress bar calls them, its openings
+REQUEST_SOURCES = {"code-requests": ("c", "code_chat", "coding requests", CODE_REQUEST_LEADS),
+                   "chat-requests": ("r", "chat", "everyday requests", CHAT_REQUEST_LEADS)}
+SELF_TURNS = ("u", "chat", "user turns", ())
+_LEADS_LONGEST_FIRST = sorted(CODE_REQUEST_LEADS + CHAT_REQUEST_LEADS, key=len, reverse=True)
 
 
 @dataclass
@@ -144,8 +148,7 @@ def turn_problem(text: str | None, specials: Sequence[str], cfg: SelfPromptConfi
 def topic_key(text: str) -> str:
     """The turn's two longest content words: paraphrases of one request share it (a coding
     request's are read after its opening, which many requests share)."""
-    leads = sorted(CODE_REQUEST_LEADS + CHAT_REQUEST_LEADS, key=len, reverse=True)
-    text = next((text[len(lead):] for lead in leads
+    text = next((text[len(lead):] for lead in _LEADS_LONGEST_FIRST
                  if text.startswith(lead) and not text[len(lead):len(lead) + 1].isalnum()), text)
     words = {w for w in re.findall(r"[a-z]+", text.lower()) if len(w) >= 4 and w not in STOPWORDS}
     picked = sorted(sorted(words), key=len, reverse=True)[:2]
@@ -227,10 +230,7 @@ class _Writer:
     def single_turns(self, want: int, source: str = "self") -> list[Prompt]:
         """User turns; for a request source, each opened by the lead its seed picks."""
         kept: list[Prompt] = []
-        leads = REQUEST_LEADS.get(source, ())
-        tag, kind, what = {"code-requests": ("c", "code_chat", "coding requests"),
-                           "chat-requests": ("r", "chat", "everyday requests")}.get(
-                               source, ("u", "chat", "user turns"))
+        tag, kind, what, leads = REQUEST_SOURCES.get(source, SELF_TURNS)
         with tqdm(total=want, desc=f"the target writing {what}") as bar:
             for lo in range(0, want * self.cfg.max_candidates, self.cfg.batch):
                 if len(kept) >= want:
@@ -309,7 +309,7 @@ def build_self_prompts(llm, cfg: SelfPromptConfig, path: list[str] | None = None
 
 
 def build_requests(llm, cfg: SelfPromptConfig, source: str) -> list[Prompt]:
-    """`cfg.num_prompts` requests the target writes after one of the source's REQUEST_LEADS:
+    """`cfg.num_prompts` requests the target writes after one of the source's openings (REQUEST_SOURCES):
     coding tasks in a user's words, which the documented functions of packages (a signature and
     docstring to fill in) do not ask, or everyday requests, which unopened self-written turns
     rarely phrase as users do. Split by the topic after the opening."""
