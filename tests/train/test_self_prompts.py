@@ -138,13 +138,14 @@ def test_requests_are_seeded_opened_by_a_lead_and_split_after_it(chat_llm, sourc
     # the opening is no topic: two requests with one opening and other tasks get other keys,
     # and one task with two openings gets one key
     assert topic_key(f"{leads[0]} parsing dates") != topic_key(f"{leads[0]} merging lists")
-    assert topic_key(f"{leads[0]} parsing dates") == topic_key(f"{leads[1]} parsing dates")
+    wordy = sorted(leads, key=len)[-2:]     # openings whose own words would make a key
+    assert topic_key(f"{wordy[0]} parsing dates") == topic_key(f"{wordy[1]} parsing dates")
     assert [p.group for p in first] == split_groups([prompt_keys(p) for p in first])
 
 
 def test_an_opening_is_stripped_only_as_whole_words():
     # "Suggest" opens "Suggest gardening ideas", not "Suggestions": the word stays a topic word
-    assert topic_key("Suggestions about gardening") != topic_key("Suggest gardening")
+    assert "suggestions" in topic_key("Suggestions about gardening")
     assert topic_key("Suggest gardening") == topic_key("Describe gardening")
 
 
