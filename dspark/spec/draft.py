@@ -15,7 +15,7 @@ import torch
 
 from dspark.models.drafter import Drafter
 from dspark.models.layers.attention import gather_blocks, write_kv
-from dspark.spec.sampler import SamplingTensors, global_exponentials, keyed_exponentials
+from dspark.spec.sampler import SamplingTensors, global_exponentials, keyed_exponentials, keyed_gumbels
 from dspark.spec.types import DraftProposal
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -116,9 +116,8 @@ def _markov_loop(drafter: Drafter, h: torch.Tensor, base: torch.Tensor, anchors:
     step, one softmax and one race."""
     cfg = drafter.config
     raced = not st.all_greedy and all(key is not None or g for key, g in zip(st.keys, st.greedy_host))
-    if raced:           # argmax(softmax(z / T) / E) = argmax(z - T log E): the greedy loop on noised logits
-        gumbel = _draft_noise(drafter, st, base.shape[0], base.shape[1], base.device).log_().neg_()
-        base = base + gumbel.masked_fill_(st.greedy[:, None, None], 0.0).mul_(st.temperature[:, None, None])
+    if raced:           # argmax(z / T + G) = argmax(z + T G): the greedy loop on noised logits
+        base = base + _draft_gumbels(drafter, st, base.shape[0], base.shape[1], base.device)
     greedy = fused.markov_greedy(drafter, h, base, anchors) if (st.all_greedy or raced) and fused is not None \
         else None
     if greedy is not None:
@@ -195,7 +194,8 @@ def _draft_noise(drafter: Drafter, st: SamplingTensors, r: int, gamma: int,
     """Exp(1) noise [R, γ, V_draft] for the whole block, drawn before the loop. A seeded row's
     draft k reads the noise its target row k reads in verification (the noise of that position,
     sampler.NoiseKey) at the draft vocabulary's columns: drafter and target race on the same
-    noise, so a draft is accepted exactly when the target would have drawn it. Unseeded rows draw
+    noise (the target on its Gumbel form), so a draft is accepted when the target draws it too.
+    Unseeded rows draw
     the draft vocabulary's columns alone, together. Greedy rows' noise is never read."""
     columns = drafter.draft_to_target_index if drafter.config.uses_draft_vocab else None
     width = drafter.config.draft_vocab_size if columns is not None else drafter.config.vocab_size
@@ -209,3 +209,16 @@ def _draft_noise(drafter: Drafter, st: SamplingTensors, r: int, gamma: int,
     for row, key in seeded:
         noise[row] = keyed_exponentials(key, gamma, drafter.config.vocab_size, device, columns)
     return noise
+
+
+def _draft_gumbels(drafter: Drafter, st: SamplingTensors, r: int, gamma: int,
+                   device: torch.device) -> torch.Tensor:
+    """T times the Gumbel noise [R, γ, V_draft] each seeded row's target row k races on in
+    verification, at the draft vocabulary's columns; 0 on greedy rows."""
+    columns = drafter.draft_to_target_index if drafter.config.uses_draft_vocab else None
+    width = drafter.config.draft_vocab_size if columns is not None else drafter.config.vocab_size
+    noise = torch.zeros(r, gamma, width, device=device)
+    for row, key in enumerate(st.keys[:r]):
+        if key is not None and not st.greedy_host[row]:
+            noise[row] = keyed_gumbels(key, gamma, drafter.config.vocab_size, device, columns)
+    return noise.mul_(st.temperature[:, None, None])

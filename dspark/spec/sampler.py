@@ -1,7 +1,9 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Everything stays on the device; the caller copies the chosen tokens to the host once per step.
-Sampling uses the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p. A
+Sampling is the Gumbel race on the processed logits (argmax z + G, G = -log E, E ~ Exp(1)),
+which draws exactly from softmax(z) without computing it: an exponential over a low temperature's
+logits underflows into subnormal floats, which this CPU computes an order of magnitude slower. A
 seeded request's noise for the token at position t is a function of (seed, t) alone
 (`NoiseKey`), so its text depends on its seed and nothing else: not on the batch it shares, not
 on a failed step retried, and not on whether or how many of its drafts were verified (verify.py
@@ -76,35 +78,42 @@ class SamplingTensors:
                                greedy_host=[self.greedy_host[i] for i in rows])
 
 
-def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """The distribution a request samples from after temperature and truncation: [N, V]."""
+def processed_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The scores a request races on after temperature and truncation: [N, V], -inf outside its
+    top-k / top-p / min-p set; their softmax is the distribution it samples from."""
     logits = logits / st.temperature[:, None]
     if st.top_k is not None or st.top_p is not None:
         logits = _top_k_top_p(logits, st.top_k, st.top_p)
-    return _min_p(torch.softmax(logits, dim=-1), st)
+    return _min_p(logits, st)
 
 
-def candidate_probs(logits: torch.Tensor, st: SamplingTensors
-                    ) -> tuple[torch.Tensor, torch.Tensor, list[bool]] | None:
-    """`processed_probs` restricted to each row's top CANDIDATES tokens: (probs [N, K], their
+def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The distribution a request samples from: [N, V] (rejection sampling needs it; a race
+    needs only `processed_logits`)."""
+    return torch.softmax(processed_logits(logits, st), dim=-1)
+
+
+def candidate_logits(logits: torch.Tensor, st: SamplingTensors
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[bool]] | None:
+    """`processed_logits` restricted to each row's top CANDIDATES tokens: (scores [N, K], their
     token ids [N, K], whether each row's top-k / top-p kept set lies inside them). Rows that fit
-    sample from K noise values instead of V; None when no row is truncated or V <= K, and on a
-    GPU, where the full sort is cheap and deciding whether rows fit would wait for the device."""
+    race on K noise values instead of V; None when no row is truncated or V <= K, and on a GPU,
+    where the full sort is cheap and deciding whether rows fit would wait for the device."""
     if (st.top_k is None and st.top_p is None) or logits.device.type == "cuda":
         return None
     truncated = _candidate_truncation(logits / st.temperature[:, None], st.top_k, st.top_p, st.greedy)
     if truncated is None:
         return None
     cand, index, fits = truncated
-    return _min_p(torch.softmax(cand, dim=-1), st), index, fits.tolist()
+    return _min_p(cand, st), index, fits.tolist()
 
 
-def _min_p(probs: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    if st.min_p is not None:
-        keep = probs >= st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(keep, probs, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+def _min_p(z: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Drop the tokens whose probability is below min_p times the top one's: z < max z + log min_p."""
+    if st.min_p is None:
+        return z
+    floor = z.max(dim=-1, keepdim=True).values + st.min_p.log()[:, None]
+    return z.masked_fill(z < floor, float("-inf"))
 
 
 CANDIDATES = 256   # truncation first looks at the top candidates only; exact when they suffice
@@ -210,29 +219,33 @@ def _position_noise(seed: int, position: int, size: int, device: torch.device) -
     return seeded_exponentials(gen.manual_seed(mixed), 1, size, device)[0]
 
 
-def exponential_noise(shape: tuple[int, int], keys: list[NoiseKey | None],
-                      device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [N, V]; seeded rows from their keys, the others from the global generator
+def keyed_gumbels(key: NoiseKey, count: int, size: int, device: torch.device,
+                  columns: torch.Tensor | None = None) -> torch.Tensor:
+    """Gumbel noise -log E [count, size] (or its `columns`) of a seeded request's positions
+    key.position .. + count - 1: what its rows race on, drafter and target alike."""
+    rows = torch.stack([_position_gumbel(key.seed, key.position + k, size, device) for k in range(count)])
+    return rows if columns is None else rows.index_select(1, columns.to(rows.device))
+
+
+@functools.lru_cache(maxsize=128)
+def _position_gumbel(seed: int, position: int, size: int, device: torch.device) -> torch.Tensor:
+    return _position_noise(seed, position, size, device).log().neg_()
+
+
+def gumbel_noise(rows: int, vocab_size: int, keys: list[NoiseKey | None], device: torch.device,
+                 index: torch.Tensor | None = None) -> torch.Tensor:
+    """Gumbel noise [N, V] (or at candidate ids `index` [N, K]): seeded rows from their keys, so
+    a candidate race reads the noise the full one would; the others from the global generator
     in one call."""
-    seeded = [(row, key) for row, key in enumerate(keys[:shape[0]]) if key is not None]
-    if not seeded:
-        return global_exponentials(shape, device)
-    noise = torch.empty(shape, device=device)
-    free = sorted(set(range(shape[0])) - {row for row, _ in seeded})
+    width = vocab_size if index is None else index.shape[1]
+    free = [row for row in range(rows) if keys[row] is None]
+    if len(free) == rows:
+        return global_exponentials((rows, width), device).log_().neg_()
+    noise = torch.empty(rows, width, device=device)
     if free:
-        noise[free] = global_exponentials((len(free), shape[1]), device)
-    for row, key in seeded:
-        noise[row] = keyed_exponentials(key, 1, shape[1], device)[0]
-    return noise
-
-
-def _candidate_noise(index: torch.Tensor, keys: list[NoiseKey | None], vocab_size: int) -> torch.Tensor:
-    """Exp(1) [N, K] for candidate lists `index` [N, K]: a seeded row reads its noise at its
-    candidates' ids, so it draws the token the full race would."""
-    noise = global_exponentials(tuple(index.shape), index.device)
-    for row, key in enumerate(keys):
-        if key is not None:
-            noise[row] = keyed_exponentials(key, 1, vocab_size, index.device, index[row])[0]
+        noise[free] = global_exponentials((len(free), width), device).log_().neg_()
+    for row in sorted(set(range(rows)) - set(free)):
+        noise[row] = keyed_gumbels(keys[row], 1, vocab_size, device, None if index is None else index[row])[0]
     return noise
 
 
@@ -259,18 +272,17 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     greedy = greedy_tokens(logits)
     if st.all_greedy:
         return greedy
-    sparse = candidate_probs(logits, st)
+    sparse = candidate_logits(logits, st)
     fits = sparse[2] if sparse is not None else [False] * logits.shape[0]
     sampled = greedy.clone()
     rows = [i for i, fit in enumerate(fits) if fit]
     if rows:
-        probs, index = sparse[0][rows], sparse[1][rows]
-        noise = _candidate_noise(index, [st.keys[i] for i in rows], logits.shape[1])
-        sampled[rows] = index.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+        scores, index = sparse[0][rows], sparse[1][rows]
+        noise = gumbel_noise(len(rows), logits.shape[1], [st.keys[i] for i in rows], logits.device, index)
+        sampled[rows] = index.gather(1, greedy_tokens(scores + noise)[:, None]).squeeze(1)
     rest = [i for i, fit in enumerate(fits) if not fit]
     if rest:                        # all rows (the usual case): no [N, V] copy of the logits
         sub_logits, sub = (logits, st) if not rows else (logits[rest], st.select(rest))
-        probs = processed_probs(sub_logits, sub)
-        sampled[rest] = (probs / exponential_noise(tuple(probs.shape), sub.keys,
-                                                   logits.device)).argmax(dim=-1)
+        scores = processed_logits(sub_logits, sub)
+        sampled[rest] = greedy_tokens(scores + gumbel_noise(len(rest), logits.shape[1], sub.keys, logits.device))
     return torch.where(st.greedy, greedy, sampled)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark.spec.sampler import SamplingTensors, global_exponentials, keyed_exponentials, processed_probs
+from dspark.kernels.cpu import greedy_tokens
+from dspark.spec.sampler import SamplingTensors, global_exponentials, keyed_gumbels, processed_logits
 from dspark.spec.types import DraftProposal, VerifyResult
 
 
@@ -31,19 +32,20 @@ def accept(target_logits: torch.Tensor, verify_lens: torch.Tensor, draft: DraftP
     seeded = [i for i, key in enumerate(st.keys) if key is not None and not st.greedy_host[i]]
     if draft.probs is None:          # every sampled row seeded (draft.py raced them): no q, no ratio test
         if len(seeded) == r:
-            return accept_greedy(_seeded_draws(_target_probs(target_logits, st), st), verify_lens, draft)
+            return accept_greedy(_seeded_draws(_target_scores(target_logits, st), st), verify_lens, draft)
         choice = target_logits.argmax(-1)                                       # [R, γ+1]
         sub = st.select(seeded)
-        choice[seeded] = _seeded_draws(_target_probs(target_logits[seeded], sub), sub)
+        choice[seeded] = _seeded_draws(_target_scores(target_logits[seeded], sub), sub)
         return accept_greedy(choice, verify_lens, draft)
-    p = _target_probs(target_logits, st)                                       # [R, γ+1, V]
+    scores = _target_scores(target_logits, st)                                 # [R, γ+1, V]
+    p = torch.softmax(scores, dim=-1)
     p_x = p[:, :gamma].gather(-1, draft.tokens[..., None]).squeeze(-1)         # [R, γ]
     q_x = draft.probs.gather(-1, draft.tokens[..., None]).squeeze(-1)          # [R, γ]
     ok = torch.rand((r, gamma), device=target_logits.device) * q_x <= p_x
     target_argmax = target_logits.argmax(-1) if any(st.greedy_host) else None  # [R, γ+1]
     if target_argmax is not None:
         ok = torch.where(st.greedy[:, None], draft.tokens == target_argmax[:, :gamma], ok)
-    drawn = _seeded_draws(p[seeded], st.select(seeded)) if seeded else None            # [S, γ+1]
+    drawn = _seeded_draws(scores[seeded], st.select(seeded)) if seeded else None       # [S, γ+1]
     if drawn is not None:
         ok[seeded] = draft.tokens[seeded] == drawn[:, :gamma]
     num_accepted = _accepted_prefix(ok, verify_lens)
@@ -56,22 +58,22 @@ def accept(target_logits: torch.Tensor, verify_lens: torch.Tensor, draft: DraftP
     return _result(draft, num_accepted, next_token)
 
 
-def _seeded_draws(p: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """p [S, γ+1, V] of seeded rows -> [S, γ+1] the token each position draws with its own
+def _seeded_draws(scores: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """scores [S, γ+1, V] of seeded rows -> [S, γ+1] the token each position draws with its own
     noise, as a plain step sampling that position would (sampler.sample)."""
-    g1, v = p.shape[1], p.shape[2]
-    noise = torch.stack([keyed_exponentials(key, g1, v, p.device) for key in st.keys])      # [S, γ+1, V]
-    return (p / noise).argmax(-1)
+    s, g1, v = scores.shape
+    noise = torch.stack([keyed_gumbels(key, g1, v, scores.device) for key in st.keys])      # [S, γ+1, V]
+    return greedy_tokens((scores + noise).view(s * g1, v)).view(s, g1)
 
 
-def _target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """[R, γ+1, V] -> the target's processed distributions. With temperature alone (the usual
-    sampled request) each block is divided by its request's temperature directly, the bits
-    `processed_probs` gives on the rows repeated per position, without repeating anything."""
+def _target_scores(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """[R, γ+1, V] -> the target's processed logits. With temperature alone (the usual sampled
+    request) each block is divided by its request's temperature directly, the bits
+    `processed_logits` gives on the rows repeated per position, without repeating anything."""
     if st.top_k is None and st.top_p is None and st.min_p is None:
-        return torch.softmax(logits / st.temperature[:, None, None], dim=-1)
+        return logits / st.temperature[:, None, None]
     r, g1, v = logits.shape
-    return processed_probs(logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
+    return processed_logits(logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
 
 
 def accept_greedy(target_argmax: torch.Tensor, verify_lens: torch.Tensor,

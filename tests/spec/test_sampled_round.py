@@ -12,9 +12,9 @@ from dspark.models.drafter_loader import load_drafter
 from dspark.models.loader import load_target
 from dspark.sampling_params import SamplingParams
 from dspark.spec.draft import _markov_loop
-from dspark.spec.sampler import NoiseKey, SamplingTensors, _mix, processed_probs
+from dspark.spec.sampler import NoiseKey, SamplingTensors, _mix, processed_logits, processed_probs
 from dspark.spec.types import DraftProposal
-from dspark.spec.verify import _target_probs, accept
+from dspark.spec.verify import _target_scores, accept
 from dspark.train.prune_vocab import prune_drafter
 from tiny import save_random_drafter, save_tiny, scatter_to_target_vocab
 
@@ -140,6 +140,7 @@ def reference_accept(logits, lens, drafts, q, st, raced=False):
     that draw. Global noise in the engine's order: the uniforms, then Exp(1) of V per row (none
     when the drafts came without q: every sampled row seeded)."""
     r, g1, v = logits.shape
+    scores = processed_logits(logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
     p = processed_probs(logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
     if not raced:
         u = torch.rand(r, g1 - 1)
@@ -148,7 +149,8 @@ def reference_accept(logits, lens, drafts, q, st, raced=False):
     for i in range(r):
         a, target = 0, logits[i].argmax(-1)
         if st.keys[i] is not None:
-            target = torch.stack([(p[i, j] / position_noise(st.keys[i], j, v)).argmax() for j in range(g1)])
+            target = torch.stack([(scores[i, j] - position_noise(st.keys[i], j, v).log()).argmax()
+                                  for j in range(g1)])
         if st.greedy_host[i] or st.keys[i] is not None:
             while a < lens[i] and drafts[i, a] == target[a]:
                 a += 1
@@ -201,9 +203,9 @@ def test_acceptance_matches_the_position_by_position_reference(vocab, settings, 
 @pytest.mark.parametrize("rows", list(ROWS))
 def test_temperature_alone_gives_the_bits_of_the_repeated_rows(rows):
     """The acceptance divides each block by its request's temperature in place of repeating the
-    parameters per position: the target's p keeps its bits, not only the tokens drawn from it."""
+    parameters per position: the target's scores keep their bits, not only the tokens drawn."""
     r, g1, v = len(ROWS[rows]), 6, 600
     st = tensors(ROWS[rows], v)
     logits = torch.randn(r, g1, v) * 3
-    want = processed_probs(logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
-    assert torch.equal(_target_probs(logits, st), want)
+    want = processed_logits(logits.reshape(r * g1, v), st.repeat(g1)).view(r, g1, v)
+    assert torch.equal(_target_scores(logits, st), want)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark.sampling_params import SamplingParams
-from dspark.spec.sampler import NoiseKey, SamplingTensors, _mix, processed_probs, sample
+from dspark.spec.sampler import NoiseKey, SamplingTensors, _mix, processed_logits, processed_probs, sample
 
 
 def tensors(params, gens=None, vocab=5):
@@ -90,7 +90,7 @@ def test_candidate_truncation_equals_full_sort(monkeypatch, scale, top_k, top_p)
 def test_candidate_sampling_matches_the_full_vocabulary_distribution():
     """A vocabulary larger than the candidate window, truncated by top-p inside it: `sample`
     draws from the candidates only, and its empirical distribution is processed_probs'."""
-    from dspark.spec.sampler import CANDIDATES, candidate_probs
+    from dspark.spec.sampler import CANDIDATES, candidate_logits
     v, n = CANDIDATES * 4, 20000
     g = torch.Generator().manual_seed(0)
     row = torch.randn(v, generator=g) * 0.5
@@ -99,11 +99,11 @@ def test_candidate_sampling_matches_the_full_vocabulary_distribution():
     st = SamplingTensors.build(params, [None] * n, v, torch.device("cpu"))
     logits = row.expand(n, v).contiguous()
     full = processed_probs(logits[:1], st.select([0]))[0]
-    sparse = candidate_probs(logits[:1], st.select([0]))
+    sparse = candidate_logits(logits[:1], st.select([0]))
     assert sparse is not None
-    probs, index, fits = sparse
+    scores, index, fits = sparse
     assert fits == [True]
-    dense = torch.zeros(v).index_put_((index[0],), probs[0])
+    dense = torch.zeros(v).index_put_((index[0],), torch.softmax(scores[0], dim=-1))
     assert torch.allclose(dense, full, atol=1e-6)
     counts = torch.bincount(sample(logits, st), minlength=v).float() / n
     support = full > 0
@@ -114,30 +114,33 @@ def test_candidate_sampling_matches_the_full_vocabulary_distribution():
 
 
 def test_candidate_sampling_falls_back_when_the_kept_set_is_wider():
-    from dspark.spec.sampler import CANDIDATES, candidate_probs
+    from dspark.spec.sampler import CANDIDATES, candidate_logits
     v = CANDIDATES * 4
     flat = torch.zeros(2, v)                                         # top-p 0.9 keeps 90% of v
     st = tensors([SamplingParams(temperature=1.0, top_p=0.9)] * 2, vocab=v)
-    assert candidate_probs(flat, st)[2] == [False, False]
+    assert candidate_logits(flat, st)[2] == [False, False]
     tokens = sample(flat, st)
     assert tokens.shape == (2,) and bool((tokens < v).all())
     # greedy rows never block the candidate path
     mixed = tensors([SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3)], vocab=v)
     logits = torch.randn(2, v)
-    assert candidate_probs(logits, mixed)[2] == [True, True]
+    assert candidate_logits(logits, mixed)[2] == [True, True]
     out = sample(logits, mixed)
     assert int(out[0]) == int(logits[0].argmax()) and int(out[1]) in logits[1].topk(3).indices.tolist()
 
 
 def test_a_seeded_rows_noise_is_a_function_of_its_seed_and_position():
-    from dspark.spec.sampler import exponential_noise
+    from dspark.spec.sampler import gumbel_noise
     keys = [NoiseKey(3, 10), None, NoiseKey(4, 10), NoiseKey(3, 11)]
-    noise = exponential_noise((4, 50), keys, torch.device("cpu"))
+    noise = gumbel_noise(4, 50, keys, torch.device("cpu"))
     for row, (seed, position) in ((0, (3, 10)), (2, (4, 10)), (3, (3, 11))):
         ref = torch.empty(50).exponential_(generator=torch.Generator().manual_seed(_mix(seed, position)))
-        assert torch.equal(noise[row], ref)
-    assert bool((noise[1] > 0).all())
-    assert torch.equal(exponential_noise((4, 50), keys, torch.device("cpu"))[[0, 2, 3]], noise[[0, 2, 3]])
+        assert torch.equal(noise[row], -ref.log())
+    assert bool(noise[1].isfinite().all()) and not torch.equal(noise[1], noise[0])
+    assert torch.equal(gumbel_noise(4, 50, keys, torch.device("cpu"))[[0, 2, 3]], noise[[0, 2, 3]])
+    index = torch.tensor([[7, 2, 40]] * 4)
+    assert torch.equal(gumbel_noise(4, 50, keys, torch.device("cpu"), index)[[0, 2, 3]],
+                       noise[[0, 2, 3]][:, [7, 2, 40]])
     assert len({_mix(s, t) for s in range(50) for t in range(50)}) == 2500    # seed + i, t + 1 differ
 
 
@@ -156,9 +159,9 @@ def test_a_seeded_rows_draw_does_not_depend_on_its_batch_or_path():
         both = sample(torch.stack([peaked, flat]), tensors([p, p], [NoiseKey(seed, 5), NoiseKey(seed + 100, 5)],
                                                            vocab=v))
         mixed.append(int(both[0]))
-        probs = processed_probs(peaked[None], tensors([p], vocab=v))[0]
+        scores = processed_logits(peaked[None], tensors([p], vocab=v))[0]
         noise = torch.empty(v).exponential_(generator=torch.Generator().manual_seed(_mix(seed, 5)))
-        full.append(int((probs / noise).argmax()))
+        full.append(int((scores - noise.log()).argmax()))
     assert alone == mixed == full and len(set(alone)) > 1
 
 
@@ -182,13 +185,13 @@ def test_seeded_exponentials_equal_torch_exponential():
 
 @pytest.mark.cuda
 def test_a_seeded_rows_noise_is_drawn_on_the_gpu():
-    from dspark.spec.sampler import keyed_exponentials
+    from dspark.spec.sampler import keyed_gumbels
     if not torch.cuda.is_available():
         pytest.fail("the cuda tests need an NVIDIA GPU (deselect them with -m 'not cuda')")
     device = torch.device("cuda")
-    noise = keyed_exponentials(NoiseKey(5, 3), 2, 1000, device)
-    assert noise.device.type == "cuda" and bool((noise > 0).all())
-    assert torch.equal(noise, keyed_exponentials(NoiseKey(5, 3), 2, 1000, device))
+    noise = keyed_gumbels(NoiseKey(5, 3), 2, 1000, device)
+    assert noise.device.type == "cuda" and bool(noise.isfinite().all())
+    assert torch.equal(noise, keyed_gumbels(NoiseKey(5, 3), 2, 1000, device))
     p = SamplingParams(temperature=1.0, seed=5)
     logits = torch.randn(1, 1000, device=device)
     token = sample(logits, SamplingTensors.build([p], [NoiseKey(5, 3)], 1000, device))
