@@ -223,8 +223,10 @@ def keyed_gumbels(key: NoiseKey, count: int, size: int, device: torch.device,
                   columns: torch.Tensor | None = None) -> torch.Tensor:
     """Gumbel noise -log E [count, size] (or its `columns`) of a seeded request's positions
     key.position .. + count - 1: what its rows race on, drafter and target alike."""
-    rows = torch.stack([_position_gumbel(key.seed, key.position + k, size, device) for k in range(count)])
-    return rows if columns is None else rows.index_select(1, columns.to(rows.device))
+    rows = [_position_gumbel(key.seed, key.position + k, size, device) for k in range(count)]
+    if columns is not None:                    # pick the columns row by row: no [count, size] copy
+        rows = [row.index_select(0, columns.to(row.device)) for row in rows]
+    return torch.stack(rows)
 
 
 @functools.lru_cache(maxsize=128)

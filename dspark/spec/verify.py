@@ -62,8 +62,9 @@ def _seeded_draws(scores: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """scores [S, γ+1, V] of seeded rows -> [S, γ+1] the token each position draws with its own
     noise, as a plain step sampling that position would (sampler.sample)."""
     s, g1, v = scores.shape
-    noise = torch.stack([keyed_gumbels(key, g1, v, scores.device) for key in st.keys])      # [S, γ+1, V]
-    return greedy_tokens((scores + noise).view(s * g1, v)).view(s, g1)
+    noise = keyed_gumbels(st.keys[0], g1, v, scores.device) if s == 1 else \
+        torch.cat([keyed_gumbels(key, g1, v, scores.device) for key in st.keys])         # [S·(γ+1), V]
+    return greedy_tokens(noise.add_(scores.view(s * g1, v))).view(s, g1)
 
 
 def _target_scores(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
