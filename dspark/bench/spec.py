@@ -2,7 +2,9 @@
 
 Reports, per sampling temperature (`--temperatures`, default greedy only) and prompt kind (chat,
 code): tokens/s of both, the speed-up, the mean accepted length τ (accepted drafts + 1 per
-round) and per-position acceptance; outputs are checked equal at every temperature: sampled
+round), per-position acceptance and the time of a DSpark round (its share of the prompt's
+prefill included), against a greedy round of the same prompts where the run has temperature 0;
+outputs are checked equal at every temperature: sampled
 requests are seeded per prompt, alike for both systems, and a seeded request's text depends on
 its seed alone (spec/verify.py). Each prompt runs plain, then DSpark, then the next prompt
 (interleaved).
@@ -44,13 +46,18 @@ def run_spec_bench(args) -> None:
     temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
     rows, summary = [], {"bench": "spec", "dtype": args.dtype, "max_tokens": args.batch1_tokens,
                          "spec_schedule": args.spec_schedule}
+    greedy_ms: dict[str, float] = {}
     for temperature in temperatures:
         for kind, prompts in kinds.items():
             row, result = _measure(plain, spec, prompts, temperature, args)
-            rows.append((f"{temperature:g}", kind, len(prompts)) + row)
+            if temperature == 0:
+                greedy_ms[kind] = result["ms_per_round"]
+            vs = result["ms_per_round"] / greedy_ms[kind] if kind in greedy_ms else None
+            result["round_vs_greedy"] = None if vs is None else round(vs, 3)
+            rows.append((f"{temperature:g}", kind, len(prompts)) + row + ("-" if vs is None else f"{vs:.2f}x",))
             summary[kind if temperatures == [0.0] else f"{kind}@{temperature:g}"] = result
     head = ("temperature", "prompts", "n", "plain tok/s", "DSpark tok/s", "speed-up", "tau",
-            "acceptance by position", "same")
+            "acceptance by position", "same", "ms / round", "round / greedy round")
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
     for row in rows:
@@ -80,8 +87,14 @@ def _measure(plain, spec, prompts, temperature: float, args) -> tuple[tuple, dic
     per_pos = [n / max(1, stats.draft_rounds) for n in stats.accepted_per_position]
     cells = (f"{tps['plain']:.1f}", f"{tps['dspark']:.1f}", f"{tps['dspark'] / tps['plain']:.2f}x",
              f"{stats.mean_accepted_length:.2f}", " ".join(f"{p:.2f}" for p in per_pos),
-             "yes" if same else "NO")
+             "yes" if same else "NO", f"{_ms_per_round(runs['dspark'], stats):.2f}")
     return cells, {"prompts": len(prompts), "temperature": temperature,
                    "plain_tokens_per_s": round(tps["plain"], 2), "dspark_tokens_per_s": round(tps["dspark"], 2),
                    "speedup": round(tps["dspark"] / tps["plain"], 3), "tau": round(stats.mean_accepted_length, 3),
-                   "acceptance_per_position": [round(p, 3) for p in per_pos], "identical_output": same}
+                   "acceptance_per_position": [round(p, 3) for p in per_pos], "identical_output": same,
+                   "ms_per_round": round(_ms_per_round(runs["dspark"], stats), 3)}
+
+
+def _ms_per_round(runs: list[tuple[int, float, list]], stats: SpecStats) -> float:
+    """DSpark's time over every repetition divided by the rounds it drafted."""
+    return 1e3 * sum(seconds for _, seconds, _ in runs) / max(1, stats.draft_rounds)

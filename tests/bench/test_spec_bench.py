@@ -48,6 +48,11 @@ def test_spec_bench_over_temperatures(tmp_path, capsys):
     assert set(report) >= {"chat@0", "code@0", "chat@0.7", "code@0.7"}
     assert all(report[k]["identical_output"] is True for k in ("chat@0", "code@0", "chat@0.7", "code@0.7"))
     assert all(report[k]["tau"] >= 1.0 and report[k]["speedup"] > 0 for k in ("chat@0", "chat@0.7"))
+    for kind in ("chat", "code"):          # a round's time, and against the greedy round of its kind
+        assert report[f"{kind}@0"]["round_vs_greedy"] == 1.0
+        sampled, greedy = report[f"{kind}@0.7"], report[f"{kind}@0"]
+        assert sampled["ms_per_round"] > 0
+        assert abs(sampled["round_vs_greedy"] - sampled["ms_per_round"] / greedy["ms_per_round"]) < 0.01
 
 
 def test_the_engine_flags_reach_both_engines(tmp_path, monkeypatch):
