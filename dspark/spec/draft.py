@@ -195,8 +195,8 @@ def _draft_noise(drafter: Drafter, st: SamplingTensors, r: int, gamma: int,
     draft k reads the noise its target row k reads in verification (the noise of that position,
     sampler.NoiseKey) at the draft vocabulary's columns: drafter and target race on the same
     noise (the target on its Gumbel form), so a draft is accepted when the target draws it too.
-    Unseeded rows draw
-    the draft vocabulary's columns alone, together. Greedy rows' noise is never read."""
+    Unseeded rows draw the draft vocabulary's columns alone, together. Greedy rows' noise is
+    never read."""
     columns = drafter.draft_to_target_index if drafter.config.uses_draft_vocab else None
     width = drafter.config.draft_vocab_size if columns is not None else drafter.config.vocab_size
     seeded = [(row, key) for row, key in enumerate(st.keys[:r]) if key is not None and not st.greedy_host[row]]

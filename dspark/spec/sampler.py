@@ -2,8 +2,8 @@
 
 Everything stays on the device; the caller copies the chosen tokens to the host once per step.
 Sampling is the Gumbel race on the processed logits (argmax z + G, G = -log E, E ~ Exp(1)),
-which draws exactly from softmax(z) without computing it: an exponential over a low temperature's
-logits underflows into subnormal floats, which this CPU computes an order of magnitude slower. A
+which draws exactly from softmax(z) without computing it: the exponentials of a low temperature's
+logits underflow into subnormal floats, which CPUs compute far more slowly than normal ones. A
 seeded request's noise for the token at position t is a function of (seed, t) alone
 (`NoiseKey`), so its text depends on its seed and nothing else: not on the batch it shares, not
 on a failed step retried, and not on whether or how many of its drafts were verified (verify.py
