@@ -34,7 +34,7 @@ def run_calibration(llm: LLM, prompts: list, params: SamplingParams, dataset: st
         raise ValueError("calibration needs a drafter with a confidence head")
     engine.confidence_records = []
     try:
-        with engine.verifying_all():
+        with engine.planning_with(None):
             llm.generate(prompts, params, use_tqdm=use_tqdm)
         records = engine.confidence_records
     finally:

@@ -7,7 +7,7 @@ prompt length and a fixed output length (greedy, ignore_eos): a level runs max(c
 --sweep-requests) requests and admits the next one as soon as one finishes, as a client holding
 c connections does (vLLM's `--max-concurrency`). So concurrency 1 decodes several prompts one
 after another, chat and code alike, rather than a single prompt's luck with the drafter.
-Verify-all and the default run on one engine (switched with `Engine.verifying_all`): two
+Verify-all and the default run on one engine (switched with `Engine.planning_with`): two
 engines built alike differ by several percent on a CPU, which would otherwise land on their
 ratio.
 Prompts are held-out (or built-in) chat and code prompts cut or filled to the prompt length from
@@ -23,8 +23,38 @@ import statistics
 
 from dspark.bench.closed_loop import closed_loop
 from dspark.outputs import SpecStats
+from dspark.spec.planner import StepPlan
 
 SYSTEMS = ("plain", "verify-all", "default")
+FIXED_DRAFTS = (1, 2)          # fixed plans measured where neither plain decoding nor verify-all is
+FIXED_LEVELS = range(2, 17)    # clearly best: every request drafts, k drafts a request verified
+
+
+class FixedPlan:
+    """A policy of one plan: every request drafts and the step verifies k drafts per request,
+    the best slots by current survival (`planner.allocate`). It learns nothing; the sweep
+    measures it against the default, whose table may price such plans wrong."""
+
+    def __init__(self, drafts: int):
+        self.drafts = drafts
+
+    def plan(self, candidates, step) -> StepPlan:
+        n = len(candidates)
+        budget = sum(min(self.drafts, c.verify_cap) for c in candidates)
+        return StepPlan(drafted=[True] * n, budget=budget, full=sum(c.verify_cap for c in candidates))
+
+    def record(self, request_id, confidence_logits, verified, accepted) -> None:
+        pass
+
+    def observe_step(self, plan, requests, tokens, seconds) -> None:
+        pass
+
+    def forget(self, request_id) -> None:
+        pass
+
+
+def systems_at(c: int) -> tuple[str, ...]:
+    return SYSTEMS + tuple(f"fixed-{k}" for k in FIXED_DRAFTS if c in FIXED_LEVELS)
 
 
 def fixed_length(prompts: list[list[int]], length: int, n: int) -> list[list[int]]:
@@ -78,14 +108,14 @@ def _engines(args, max_seqs: int) -> dict:
     return {"plain": plain, "spec": spec}
 
 
-def round_order(index: int) -> tuple[str, ...]:
+def round_order(index: int, systems: tuple[str, ...] = SYSTEMS) -> tuple[str, ...]:
     """Round `index`'s order of the systems: a rotation of them, then its reverse, then the next
     rotation, so that no system always runs right after the heaviest one (verify-all at high
     load) or in the same place of a round's drift. Rounds 0 and 1 already put the default and
     plain decoding each once right after verify-all; every 2 x len(SYSTEMS) rounds put each
     system in each place equally often."""
-    k = index // 2 % len(SYSTEMS)
-    order = SYSTEMS[k:] + SYSTEMS[:k]
+    k = index // 2 % len(systems)
+    order = systems[k:] + systems[:k]
     return order[::-1] if index % 2 else order
 
 
@@ -96,7 +126,8 @@ def _run_arm(engines: dict, name: str, prompts, params, c: int, stats: dict) -> 
     if name == "plain":
         return closed_loop(engine, prompts, params, c)["tokens_per_s"]
     before = copy.deepcopy(engine.spec_stats)
-    with engine.verifying_all() if name == "verify-all" else contextlib.nullcontext():
+    other = FixedPlan(int(name.removeprefix("fixed-"))) if name.startswith("fixed-") else None
+    with engine.planning_with(other) if name != "default" else contextlib.nullcontext():
         tokens_per_s = closed_loop(engine, prompts, params, c)["tokens_per_s"]
     stats[name] = SpecStats.total([stats[name], engine.spec_stats.since(before)])
     return tokens_per_s
@@ -128,59 +159,74 @@ def run_sweep_bench(args) -> dict:
     engines = _engines(args, max(levels))
     pool = prompt_pool(args, engines["plain"].tokenizer)
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
-    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    medians: dict[str, list[float]] = {name: [] for name in SYSTEMS}
-    drafted_share = []              # default: requests' decode steps that drafted, of all of them
-    policy = []                     # default: what the policy expected and what was accepted
-    bounds = []                     # tok/s of the best plan the cost table allows (see best_plan_gain)
-    for c in levels:
-        prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
-        runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
-        for llm in engines.values():
-            llm.generate(prompts[:c], warm)
-        spec_policy = engines["spec"].engine.policy
-        arm_stats = {name: SpecStats() for name in SYSTEMS[1:]}
-        kept_before = spec_policy.kept_plans
-        for index in range(args.repetitions):
-            for name in round_order(index):
-                runs[name].append(_run_arm(engines, name, prompts, params, c, arm_stats))
-                print(f"concurrency {c}, round {index + 1}/{args.repetitions}, {name}: "
-                      f"{runs[name][-1]:.1f} tok/s", flush=True)
-        for name in SYSTEMS:
-            medians[name].append(statistics.median(runs[name]))
-        bounds.append(medians["plain"][-1] * best_plan_gain(spec_policy.table, arm_stats["verify-all"], c))
-        stats = arm_stats["default"]
-        drafted_share.append(stats.drafted_share)
-        policy.append({"predicted_accepted": round(stats.predicted_accepted_tokens, 1),
+    rows = [_level(args, engines, pool, params, c) for c in levels]
+    png = plot_sweep(levels, {name: [r["medians"][name] for r in rows] for name in SYSTEMS}, args.png)
+    report = _report(args, levels, rows, png, engines)
+    print(json.dumps(report))
+    return report
+
+
+def _level(args, engines: dict, pool, params, c: int) -> dict:
+    """One concurrency: every system's runs interleaved -> medians, the default's counters and
+    the table's best-plan bound."""
+    from dspark import SamplingParams
+    prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
+    systems = systems_at(c)
+    runs: dict[str, list[float]] = {name: [] for name in systems}
+    for llm in engines.values():
+        llm.generate(prompts[:c], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    spec_policy = engines["spec"].engine.policy
+    arm_stats = {name: SpecStats() for name in systems[1:]}
+    kept_before = spec_policy.kept_plans
+    for index in range(args.repetitions):
+        for name in round_order(index, systems):
+            runs[name].append(_run_arm(engines, name, prompts, params, c, arm_stats))
+            print(f"concurrency {c}, round {index + 1}/{args.repetitions}, {name}: "
+                  f"{runs[name][-1]:.1f} tok/s", flush=True)
+    medians = {name: statistics.median(r) for name, r in runs.items()}
+    stats = arm_stats["default"]
+    return {"medians": medians, "drafted_share": stats.drafted_share,
+            "bound": medians["plain"] * best_plan_gain(spec_policy.table, arm_stats["verify-all"], c),
+            "policy": {"predicted_accepted": round(stats.predicted_accepted_tokens, 1),
                        "accepted": stats.accepted_tokens, "verified": stats.verified_tokens,
                        "verified_per_round": round(stats.verified_tokens / max(1, stats.draft_rounds), 2),
-                       "kept_plans": spec_policy.kept_plans - kept_before})
-    png = plot_sweep(levels, medians, args.png)
+                       "kept_plans": spec_policy.kept_plans - kept_before}}
+
+
+def _report(args, levels: list[int], rows: list[dict], png: str, engines: dict) -> dict:
+    """The table (printed) and the JSON report. "Best measured" is the fastest system run at
+    the level, fixed plans included: a plan the table prices above plain decoding may not be."""
     print(f"{args.output_tokens} tokens from each of max(c, {args.sweep_requests}) requests of "
           f"{args.input_tokens} prompt tokens, at most c in flight; medians of {args.repetitions}")
     print("concurrency | plain tok/s | verify-all tok/s | default tok/s | default / best other "
-          "| default: request steps that drafted | best plan by the table, tok/s | default / it")
-    print("---|---|---|---|---|---|---|---")
-    ratios = []
-    for i, c in enumerate(levels):
-        best = max(medians["plain"][i], medians["verify-all"][i])
-        ratios.append(medians["default"][i] / best)
-        print(f"{c} | {medians['plain'][i]:.1f} | {medians['verify-all'][i]:.1f} | "
-              f"{medians['default'][i]:.1f} | {ratios[-1]:.2f}x | {drafted_share[i]:.0%} | "
-              f"{bounds[i]:.1f} | {medians['default'][i] / bounds[i]:.2f}x")
-    for c, p in zip(levels, policy):
+          "| default: request steps that drafted | best plan by the table, tok/s | default / it "
+          "| best fixed plan, tok/s | default / best measured")
+    print("---|---|---|---|---|---|---|---|---|---")
+    default = [r["medians"]["default"] for r in rows]
+    other = [d / max(r["medians"]["plain"], r["medians"]["verify-all"]) for d, r in zip(default, rows)]
+    measured = [d / max(v for k, v in r["medians"].items() if k != "default") for d, r in zip(default, rows)]
+    fixed = {f"fixed-{k}": [r["medians"].get(f"fixed-{k}") for r in rows] for k in FIXED_DRAFTS}
+    for i, (c, r) in enumerate(zip(levels, rows)):
+        best_fixed = max((v[i], name) for name, v in fixed.items() if v[i] is not None) if c in FIXED_LEVELS else None
+        m = r["medians"]
+        print(f"{c} | {m['plain']:.1f} | {m['verify-all']:.1f} | {m['default']:.1f} | {other[i]:.2f}x | "
+              f"{r['drafted_share']:.0%} | {r['bound']:.1f} | {m['default'] / r['bound']:.2f}x | "
+              f"{f'{best_fixed[0]:.1f} ({best_fixed[1]})' if best_fixed else '-'} | {measured[i]:.2f}x")
+    for c, r in zip(levels, rows):
+        p = r["policy"]
         print(f"default at {c}: drafts expected accepted {p['predicted_accepted']}, accepted "
               f"{p['accepted']} of {p['verified']} verified ({p['verified_per_round']} a round)")
     print(f"plot: {png}")
-    report = {"bench": "sweep", "levels": levels,
-              "requests_per_level": [max(c, args.sweep_requests) for c in levels],
-              "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
-              "repetitions": args.repetitions,
-              "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in medians.items()},
-              "default_over_best_other": [round(r, 3) for r in ratios],
-              "default_drafted_share": [round(d, 3) for d in drafted_share], "default_policy": policy,
-              "best_plan_tokens_per_s": [round(b, 2) for b in bounds],
-              "default_over_best_plan": [round(medians["default"][i] / b, 3) for i, b in enumerate(bounds)],
-              "plot": png, "runner": {name: llm.engine.load().runner for name, llm in engines.items()}}
-    print(json.dumps(report))
-    return report
+    return {"bench": "sweep", "levels": levels,
+            "requests_per_level": [max(c, args.sweep_requests) for c in levels],
+            "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
+            "repetitions": args.repetitions,
+            "tokens_per_s": {k: [round(r["medians"][k], 2) for r in rows] for k in SYSTEMS},
+            "fixed_plans_tokens_per_s": {k: [None if x is None else round(x, 2) for x in v] for k, v in fixed.items()},
+            "default_over_best_other": [round(x, 3) for x in other],
+            "default_over_best_measured": [round(x, 3) for x in measured],
+            "default_drafted_share": [round(r["drafted_share"], 3) for r in rows],
+            "default_policy": [r["policy"] for r in rows],
+            "best_plan_tokens_per_s": [round(r["bound"], 2) for r in rows],
+            "default_over_best_plan": [round(r["medians"]["default"] / r["bound"], 3) for r in rows],
+            "plot": png, "runner": {name: llm.engine.load().runner for name, llm in engines.items()}}

@@ -138,16 +138,17 @@ class Engine:
         return table
 
     @contextlib.contextmanager
-    def verifying_all(self):
-        """Every draft of every request verified inside, the policy left out of planning and
-        learning, and back after: calibration needs whole blocks verified, and the sweep
-        compares verify-all with the policy on one engine."""
-        policy = self.policy
-        self.policy = self.scheduler.policy = None
+    def planning_with(self, policy):
+        """`policy` plans the steps inside (None: every draft of every request verified), the
+        engine's own neither planning nor learning, and back after: calibration needs whole
+        blocks verified, and the sweep compares verify-all and fixed plans with the policy on
+        one engine."""
+        own = self.policy
+        self.policy = self.scheduler.policy = policy
         try:
             yield
         finally:
-            self.policy = self.scheduler.policy = policy
+            self.policy = self.scheduler.policy = own
 
     def reset_spec_stats(self) -> None:
         self.spec_stats = SpecStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))

@@ -5,7 +5,7 @@ import types
 
 from dspark import LLM, SamplingParams
 from dspark.bench.closed_loop import closed_loop
-from dspark.bench.sweep import SYSTEMS, best_plan_gain, fixed_length, round_order, run_sweep_bench
+from dspark.bench.sweep import SYSTEMS, FixedPlan, best_plan_gain, fixed_length, round_order, run_sweep_bench
 from dspark.outputs import SpecStats
 from dspark.spec.planner import CostTable
 from tiny import save_random_drafter, save_tiny
@@ -47,6 +47,12 @@ def test_sweep_reports_every_system_at_every_level(tmp_path, capsys):
     assert all(len(v) == 2 and min(v) > 0 for v in report["tokens_per_s"].values())
     assert (tmp_path / "sweep.png").stat().st_size > 5000
     assert all(b > 0 for b in report["best_plan_tokens_per_s"])
+    fixed = report["fixed_plans_tokens_per_s"]          # measured where 1 < c <= 16 only
+    assert set(fixed) == {"fixed-1", "fixed-2"} and all(v[0] is None and v[1] > 0 for v in fixed.values())
+    for i in range(2):          # the best measured system includes plain and verify-all
+        assert report["default_over_best_measured"][i] <= report["default_over_best_other"][i]
+    assert report["default_over_best_measured"][1] < report["default_over_best_other"][1] or \
+        max(v[1] for v in fixed.values()) <= max(report["tokens_per_s"][s][1] for s in ("plain", "verify-all"))
     assert set(report["runner"]) == {"plain", "spec"}     # verify-all and the default share an engine
     assert all(counters["target_graph_steps"] > 0 for counters in report["runner"].values())
     for level in report["default_policy"]:
@@ -63,7 +69,7 @@ def test_verifying_all_verifies_every_draft_and_gives_the_policy_back(tmp_path):
     llm = LLM(str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", graph="eager")
     policy, engine = llm.engine.policy, llm.engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with engine.verifying_all():
+    with engine.planning_with(None):
         assert engine.policy is None and engine.scheduler.policy is None
         llm.generate([[3, 4, 5], [7, 8, 9]], params, use_tqdm=False)
     stats = engine.spec_stats
@@ -72,6 +78,25 @@ def test_verifying_all_verifies_every_draft_and_gives_the_policy_back(tmp_path):
     assert engine.policy is policy and engine.scheduler.policy is policy
     llm.generate([[3, 4, 5]], params, use_tqdm=False)
     assert policy.steps > 0
+
+
+def test_a_fixed_plan_verifies_k_drafts_a_request_and_stays_exact(tmp_path):
+    """The sweep's fixed plans: every request drafts each step and the step verifies k drafts a
+    request in all (the best slots), learning nothing; greedy output is plain decoding's."""
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=4, seed=3)
+    save_random_drafter(str(tmp_path / "d"), str(tmp_path / "t"), gamma=3, copy_prev=6.0, seed=1)
+    llm = LLM(str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", graph="eager")
+    plain = LLM(str(tmp_path / "t"), drafter=None, dtype="float32", graph="eager")
+    engine, prompts = llm.engine, [[3, 4, 5], [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with engine.planning_with(FixedPlan(1)):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = engine.spec_stats
+    assert stats.draft_rounds > 0 and stats.undrafted_steps == 0
+    assert 0 < stats.verified_tokens <= stats.draft_rounds       # one draft a request-round in all
+    assert engine.policy.steps == 0
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
 
 
 def test_a_level_keeps_at_most_c_requests_in_flight_and_runs_them_all(tmp_path):
