@@ -29,6 +29,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="sweep: comma-separated numbers of requests in flight")
     p.add_argument("--sweep-requests", type=int, default=8,
                    help="sweep: requests per level at least (a level of concurrency c runs max(c, this))")
+    p.add_argument("--output-spread", type=float, default=0.0,
+                   help="sweep: each request's output length drawn from --output-tokens x (1 ± this), "
+                        "seeded, so requests finish at different steps as a server's do (0: all alike)")
     p.add_argument("--png", default="bench_sweep.png", help="sweep: where to write the plot")
     from dspark.bench.policy_ab import MECHANISMS
     p.add_argument("--ablate", default=None, choices=MECHANISMS,

@@ -8,12 +8,14 @@ import time
 
 
 def closed_loop(engine, prompts: list[list[int]], params, concurrency: int) -> dict:
-    """Decode every prompt with `concurrency` requests in flight; -> tokens/s and step counts."""
-    queue, in_flight, tokens, steps = list(prompts), 0, 0, 0
+    """Decode every prompt with `concurrency` requests in flight (`params`: one SamplingParams
+    for all, or a list, one per prompt); -> tokens/s and step counts."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    queue, in_flight, tokens, steps = list(zip(prompts, per_prompt)), 0, 0, 0
     start = time.perf_counter()
     while queue or in_flight:
         while queue and in_flight < concurrency:
-            engine.add_request(queue.pop(), params)
+            engine.add_request(*queue.pop())
             in_flight += 1
         for out in engine.step():
             if out.finished:

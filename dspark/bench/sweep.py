@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import random
 import statistics
 
 from dspark.bench.closed_loop import closed_loop
@@ -158,19 +159,32 @@ def run_sweep_bench(args) -> dict:
     levels = [int(c) for c in str(args.sweep_concurrency).split(",") if c.strip()]
     engines = _engines(args, max(levels))
     pool = prompt_pool(args, engines["plain"].tokenizer)
-    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
-    rows = [_level(args, engines, pool, params, c) for c in levels]
+    if not 0.0 <= args.output_spread < 1.0:
+        raise SystemExit(f"--output-spread must be in [0, 1), got {args.output_spread}")
+    rows = [_level(args, engines, pool, c) for c in levels]
     png = plot_sweep(levels, {name: [r["medians"][name] for r in rows] for name in SYSTEMS}, args.png)
     report = _report(args, levels, rows, png, engines)
     print(json.dumps(report))
     return report
 
 
-def _level(args, engines: dict, pool, params, c: int) -> dict:
+def output_params(tokens: int, spread: float, n: int) -> list:
+    """n requests' greedy parameters, their lengths uniform in tokens x (1 ± spread), seeded:
+    requests of one length that start together stay in step under plain decoding and join
+    their successors' prefill at once, which no server's requests do (docs/speculation.md,
+    "Fixed plans beside the default")."""
+    from dspark import SamplingParams
+    rng = random.Random(0)
+    low, high = max(1, round(tokens * (1 - spread))), max(1, round(tokens * (1 + spread)))
+    return [SamplingParams(temperature=0, max_tokens=rng.randint(low, high), ignore_eos=True) for _ in range(n)]
+
+
+def _level(args, engines: dict, pool, c: int) -> dict:
     """One concurrency: every system's runs interleaved -> medians, the default's counters and
     the table's best-plan bound."""
     from dspark import SamplingParams
     prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
+    params = output_params(args.output_tokens, args.output_spread, len(prompts))
     systems = systems_at(c)
     runs: dict[str, list[float]] = {name: [] for name in systems}
     for llm in engines.values():
@@ -196,7 +210,8 @@ def _level(args, engines: dict, pool, params, c: int) -> dict:
 def _report(args, levels: list[int], rows: list[dict], png: str, engines: dict) -> dict:
     """The table (printed) and the JSON report. "Best measured" is the fastest system run at
     the level, fixed plans included: a plan the table prices above plain decoding may not be."""
-    print(f"{args.output_tokens} tokens from each of max(c, {args.sweep_requests}) requests of "
+    spread = f" x (1 ± {args.output_spread:g})" if args.output_spread else ""
+    print(f"{args.output_tokens}{spread} tokens from each of max(c, {args.sweep_requests}) requests of "
           f"{args.input_tokens} prompt tokens, at most c in flight; medians of {args.repetitions}")
     print("concurrency | plain tok/s | verify-all tok/s | default tok/s | default / best other "
           "| default: request steps that drafted | best plan by the table, tok/s | default / it "
@@ -220,7 +235,7 @@ def _report(args, levels: list[int], rows: list[dict], png: str, engines: dict) 
     return {"bench": "sweep", "levels": levels,
             "requests_per_level": [max(c, args.sweep_requests) for c in levels],
             "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
-            "repetitions": args.repetitions,
+            "output_spread": args.output_spread, "repetitions": args.repetitions,
             "tokens_per_s": {k: [round(r["medians"][k], 2) for r in rows] for k in SYSTEMS},
             "fixed_plans_tokens_per_s": {k: [None if x is None else round(x, 2) for x in v] for k, v in fixed.items()},
             "default_over_best_other": [round(x, 3) for x in other],

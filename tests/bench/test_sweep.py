@@ -5,7 +5,8 @@ import types
 
 from dspark import LLM, SamplingParams
 from dspark.bench.closed_loop import closed_loop
-from dspark.bench.sweep import SYSTEMS, FixedPlan, best_plan_gain, fixed_length, round_order, run_sweep_bench
+from dspark.bench.sweep import (SYSTEMS, FixedPlan, best_plan_gain, fixed_length, output_params, round_order,
+                                run_sweep_bench)
 from dspark.outputs import SpecStats
 from dspark.spec.planner import CostTable
 from tiny import save_random_drafter, save_tiny
@@ -39,10 +40,11 @@ def test_sweep_reports_every_system_at_every_level(tmp_path, capsys):
     args = types.SimpleNamespace(
         model=str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", threads=None,
         sweep_concurrency="1,3", sweep_requests=4, repetitions=1, input_tokens=6, output_tokens=5, data=None,
-        cost_table=None, min_gain=0.05, max_kept_plans=16, png=str(tmp_path / "sweep.png"), graph="eager", device="cpu",
+        cost_table=None, min_gain=0.05, max_kept_plans=16, output_spread=0.5, png=str(tmp_path / "sweep.png"), graph="eager", device="cpu",
         prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
     report = run_sweep_bench(args)
     assert report["levels"] == [1, 3] and report["requests_per_level"] == [4, 4]
+    assert report["output_spread"] == 0.5
     assert set(report["tokens_per_s"]) == set(SYSTEMS)
     assert all(len(v) == 2 and min(v) > 0 for v in report["tokens_per_s"].values())
     assert (tmp_path / "sweep.png").stat().st_size > 5000
@@ -97,6 +99,22 @@ def test_a_fixed_plan_verifies_k_drafts_a_request_and_stays_exact(tmp_path):
     assert engine.policy.steps == 0
     expected = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_output_lengths_spread_around_the_output_tokens_the_same_every_time(tmp_path):
+    """Lengths in tokens x (1 ± spread), the same for every system (seeded), all alike at 0;
+    the closed loop gives each prompt its own parameters."""
+    lengths = [p.max_tokens for p in output_params(100, 0.5, 64)]
+    assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 16
+    assert lengths == [p.max_tokens for p in output_params(100, 0.5, 64)]
+    assert {p.max_tokens for p in output_params(100, 0.0, 8)} == {100}
+    save_tiny(str(tmp_path / "t"), "llama", tied=True, vocab=32, num_hidden_layers=2, seed=3)
+    llm = LLM(str(tmp_path / "t"), drafter=None, dtype="float32", max_num_seqs=8, graph="eager")
+    done, step = [], llm.engine.step
+    llm.engine.step = lambda: [o for o in step() if not o.finished or done.append(len(o.token_ids)) or True]
+    params = output_params(6, 0.5, 5)
+    closed_loop(llm.engine, [[3, 4, 5 + i] for i in range(5)], params, 2)
+    assert sorted(done) == sorted(p.max_tokens for p in params)
 
 
 def test_a_level_keeps_at_most_c_requests_in_flight_and_runs_them_all(tmp_path):
