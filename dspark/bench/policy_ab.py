@@ -4,8 +4,9 @@ prompts). Two engines built alike differ by several percent on a shared CPU (mem
 more than a mechanism moves, so the mechanism is switched on the one engine between runs.
 
 Mechanisms: `kept-plans` (plans at either end kept without pricing, against pricing every
-step) and `draft-overhead` (drafting steps priced at what they cost in the engine, learned
-online, against the table's prices alone).
+step), `draft-overhead` (drafting steps priced at what they cost in the engine, learned
+online, against the table's prices alone) and `one-trial` (requests without fresh evidence of
+their own tried one a step, against all of them priced at the population's acceptance).
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import json
 import statistics
 
 from dspark.bench.closed_loop import closed_loop
-from dspark.bench.sweep import fixed_length, prompt_pool
+from dspark.bench.sweep import fixed_length, output_params, prompt_pool
 from dspark.outputs import SpecStats
 
-MECHANISMS = ("kept-plans", "draft-overhead")
+MECHANISMS = ("kept-plans", "draft-overhead", "one-trial")
 
 
 def switch(policy, mechanism: str, on: bool, kept: int) -> None:
     if mechanism == "kept-plans":
         policy.keep_plans(kept if on else 0)
+    elif mechanism == "one-trial":
+        policy.one_trial = on
     else:
         policy.overhead.set_enabled(on)
 
@@ -43,7 +46,8 @@ def run_policy_bench(args) -> dict:
     pool = prompt_pool(args, plain.tokenizer)
     temperatures = [float(t) for t in str(args.temperatures).split(",") if t.strip()]
     rows = [_level(args, plain, spec, pool, c, t) for c in levels for t in temperatures]
-    print(f"{args.ablate} on and off in one engine; {args.output_tokens} tokens from max(c, "
+    spread = f" x (1 ± {args.output_spread:g})" if args.output_spread else ""
+    print(f"{args.ablate} on and off in one engine; {args.output_tokens}{spread} tokens from max(c, "
           f"{args.sweep_requests}) requests of {args.input_tokens} prompt tokens; medians of {args.repetitions}")
     print("concurrency | temperature | plain tok/s | on tok/s | off tok/s | on / off | on / plain | drafted on / off")
     print("---|---|---|---|---|---|---|---")
@@ -52,7 +56,8 @@ def run_policy_bench(args) -> dict:
         print(f"{r['concurrency']} | {r['temperature']:g} | {t['plain']} | {t['on']} | {t['off']} | {r['on_over_off']:.3f}x | "
               f"{r['on_over_plain']:.3f}x | {d['on']:.1%} / {d['off']:.1%}")
     report = {"bench": "policy", "mechanism": args.ablate, "repetitions": args.repetitions,
-              "input_tokens": args.input_tokens, "output_tokens": args.output_tokens, "levels": rows,
+              "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
+              "output_spread": args.output_spread, "levels": rows,
               "draft_overhead_ms": round(policy.overhead.extra_ms, 3)}
     print(json.dumps(report))
     return report
@@ -66,8 +71,8 @@ def _level(args, plain, spec, pool, c: int, temperature: float) -> dict:
     prompts = fixed_length(pool, args.input_tokens, max(c, args.sweep_requests))
     for llm in (plain, spec):
         llm.generate(prompts[:c], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    params = SamplingParams(temperature=temperature, max_tokens=args.output_tokens, ignore_eos=True,
-                            seed=None if temperature == 0 else 0)
+    params = output_params(args.output_tokens, args.output_spread, len(prompts), temperature,
+                           seed=None if temperature == 0 else 0)
     runs = {"plain": [], "on": [], "off": []}
     drafted = {"on": [], "off": []}
     for _ in range(args.repetitions):

@@ -168,15 +168,16 @@ def run_sweep_bench(args) -> dict:
     return report
 
 
-def output_params(tokens: int, spread: float, n: int) -> list:
-    """n requests' greedy parameters, their lengths uniform in tokens x (1 ± spread), seeded:
+def output_params(tokens: int, spread: float, n: int, temperature: float = 0.0, seed: int | None = None) -> list:
+    """n requests' parameters, their lengths uniform in tokens x (1 ± spread), seeded:
     requests of one length that start together stay in step under plain decoding and join
     their successors' prefill at once, which no server's requests do (docs/speculation.md,
     "Fixed plans beside the default")."""
     from dspark import SamplingParams
     rng = random.Random(0)
     low, high = max(1, round(tokens * (1 - spread))), max(1, round(tokens * (1 + spread)))
-    return [SamplingParams(temperature=0, max_tokens=rng.randint(low, high), ignore_eos=True) for _ in range(n)]
+    return [SamplingParams(temperature=temperature, max_tokens=rng.randint(low, high), ignore_eos=True, seed=seed)
+            for _ in range(n)]
 
 
 def _level(args, engines: dict, pool, c: int) -> dict:

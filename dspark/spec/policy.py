@@ -117,6 +117,7 @@ class SpecPolicy:
         self.steps = 0                   # plans made, priced or kept
         self.kept_plans = 0              # plans kept without pricing (stats)
         self._steady = _Steady(longest=max_kept)
+        self.one_trial = True            # requests without fresh evidence tried one a step (A/B runs)
 
     # ---- what happened ------------------------------------------------------------------------
     def record(self, request_id: str, confidence_logits: list[float], verified: int, accepted: int) -> None:
@@ -160,7 +161,7 @@ class SpecPolicy:
         states = [self._state(c.request_id) for c in candidates]
         weight, survival = self._prices(candidates, states)
         held = self._held_rows(candidates, states)                                      # [R]
-        _one_exploration(candidates, weight, held, survival, step.joining_tokens > 0)
+        _one_exploration(candidates, weight, held, survival, step.joining_tokens > 0, self.one_trial)
         held_ms = self.table.held_row_ms * held                                         # [R]
         rounds_left = np.array([max(1, c.remaining) for c in candidates]) / (1.0 + survival.sum(1))
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
@@ -322,13 +323,15 @@ class _Steady:
 
 
 def _one_exploration(candidates: list[Candidate], weight: np.ndarray, held: np.ndarray,
-                     survival: np.ndarray, prefill: bool) -> None:
+                     survival: np.ndarray, prefill: bool, one: bool = True) -> None:
     """At most one request without fresh evidence of its own (weight under one half-life's) may
     draft in a step, and none in a step a prefill joins: the one priced highest, then holding the
     fewest context rows (trying all at once appends all their rows to learn what one round does)."""
     stale = [i for i in range(len(candidates)) if weight[i] < 0.5]
     if not stale or prefill:
         survival[stale] = 0.0
+        return
+    if not one:                   # all of them, priced at the population's acceptance
         return
     price = survival.sum(1)
     tried = min(stale, key=lambda i: (-price[i], held[i]))

@@ -17,10 +17,10 @@ def args_for(tmp_path, ablate):
         model=str(tmp_path / "t"), drafter=str(tmp_path / "d"), dtype="float32", threads=None,
         sweep_concurrency="1,3", sweep_requests=3, repetitions=1, input_tokens=6, output_tokens=5,
         data=None, cost_table=None, min_gain=0.05, max_kept_plans=16, graph="eager", device="cpu",
-        ablate=ablate, temperatures="0,0.7", prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
+        ablate=ablate, temperatures="0,0.7", output_spread=0.0, prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
 
 
-@pytest.mark.parametrize("ablate", ["kept-plans", "draft-overhead"])
+@pytest.mark.parametrize("ablate", ["kept-plans", "draft-overhead", "one-trial"])
 def test_each_mechanism_is_compared_on_and_off_at_every_level(tmp_path, capsys, ablate):
     report = run_policy_bench(args_for(tmp_path, ablate))
     assert report["mechanism"] == ablate

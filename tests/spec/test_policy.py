@@ -160,6 +160,18 @@ def test_requests_without_fresh_evidence_of_their_own_are_tried_one_at_a_time():
     assert policy.plan(batch, step).drafted == [False, True, False, True]
 
 
+def test_without_the_one_trial_rule_every_request_without_evidence_is_priced_at_the_population():
+    """The A/B switch: the same new requests all draft in one step (none in a step a prefill
+    joins), priced at the population's acceptance."""
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 40, draft_ms=[0.0] + [2.0 * r for r in range(1, 9)])
+    policy = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
+    policy.one_trial = False
+    batch = [Candidate(rid, 2, context_len=n) for rid, n in zip("abcd", (300, 100, 200, 50))]
+    assert policy.plan(batch, StepContext(other_tokens=4, num_sampling=4)).drafted == [True] * 4
+    joined = policy.plan(batch, StepContext(other_tokens=4, num_sampling=4, joining_tokens=8))
+    assert not any(joined.drafted[i] for i in (0, 1, 2))       # d drafted last step: fresh evidence
+
+
 def test_held_context_rows_are_paid_for_over_the_rounds_a_request_has_left():
     """200 held rows at 0.1 ms each: a new request with hundreds of tokens to go drafts (its
     later rounds share the append), one about to finish decodes plainly; a request that drafted
