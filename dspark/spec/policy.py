@@ -158,6 +158,7 @@ class SpecPolicy:
                 self._drafted(candidates, kept.drafted)
             return kept
         self._check_size(len(candidates), step)
+        self.overhead.price_load(step.num_sampling)
         states = [self._state(c.request_id) for c in candidates]
         weight, survival = self._prices(candidates, states)
         held = self._held_rows(candidates, states)                                      # [R]
@@ -238,18 +239,20 @@ class SpecPolicy:
 
 
 class DraftOverhead:
-    """What a step costs beyond its table price, learned from decode steps: recent plain steps'
-    excess (`step_ms`, added to every plan) and a drafting step's excess over that, net of load,
-    added to every drafter pass's price (docs/speculation.md, "What a drafting step really costs")."""
+    """What a step costs beyond its table price, learned from decode steps, per load (steps of
+    1, 2-3, 4-7, ... requests; an unseen load starts from the nearest lighter one): recent plain
+    steps' excess (`step_ms`, added to every plan) and a drafting step's excess over that, net
+    of load, added to every drafter pass's price (docs/speculation.md, "What a drafting step
+    really costs"). The excess grows with the step: one figure for all loads priced drafting
+    under load at what it costs a lone request."""
 
     plain_weight, draft_weight = 0.05, 0.1     # the two moving averages' weights
     min_plain_steps, resolution_ms = 8, 0.05   # learn nothing before; re-price the table past
 
     def __init__(self, table: CostTable):
         self.table, self.base = table, list(table.draft_ms)
-        self.plain_excess = 0.0      # ms: recent plain decode steps' time over their price (EMA)
-        self.plain_steps = 0
-        self.extra_ms = 0.0          # ms a drafting step pays beyond the table, net of load (EMA)
+        self.loads: dict[int, list] = {}  # load -> [plain steps' excess (EMA), plain steps, drafting extra (EMA)]
+        self.plain_excess, self.plain_steps, self.extra_ms = 0.0, 0, 0.0     # the load priced now
         self.applied_ms = 0.0        # what the table's drafter passes carry now
         self.enabled = True          # off: the table's own prices, nothing learned (A/B runs)
 
@@ -258,23 +261,33 @@ class DraftOverhead:
         self.applied_ms = -1.0                                    # re-price at once
         self._apply()
 
+    def price_load(self, requests: int) -> None:
+        """Price the coming plan at what steps of `requests` requests were seen to cost."""
+        load = max(1, requests).bit_length()
+        seen = [k for k in self.loads if k <= load]
+        self._price(self.loads[max(seen)] if seen else [0.0, 0, 0.0])
+
+    def _price(self, state: list) -> None:
+        self.plain_excess, self.plain_steps, self.extra_ms = state
+        self._apply()
+
     def observe(self, drafted: int, requests: int, tokens: int, measured_ms: float) -> None:
         if not self.enabled:
             return
+        state = self.loads.setdefault(max(1, requests).bit_length(), [0.0, 0, 0.0])
         price = float(self.table.verify_costs(tokens, tokens + 1, requests)[0])
         if drafted == 0:
-            excess = measured_ms - price
-            w = max(self.plain_weight, 1.0 / (self.plain_steps + 1))
-            self.plain_excess += w * (excess - self.plain_excess)
-            self.plain_steps += 1
-            return
-        if self.plain_steps < self.min_plain_steps:
+            w = max(self.plain_weight, 1.0 / (state[1] + 1))
+            state[0] += w * (measured_ms - price - state[0])
+            state[1] += 1
+            return self._price(state)
+        if state[1] < self.min_plain_steps:
             return
         draft = self.base[min(drafted, len(self.base) - 1)]
-        excess = measured_ms - price - draft - self.plain_excess
+        excess = measured_ms - price - draft - state[0]
         excess = min(max(excess, -draft), 3.0 * draft)         # one stalled step moves it little
-        self.extra_ms += self.draft_weight * (excess - self.extra_ms)
-        self._apply()
+        state[2] += self.draft_weight * (excess - state[2])
+        self._price(state)
 
     @property
     def step_ms(self) -> float:
