@@ -117,7 +117,7 @@ class SpecPolicy:
         self.steps = 0                   # plans made, priced or kept
         self.kept_plans = 0              # plans kept without pricing (stats)
         self._steady = _Steady(longest=max_kept)
-        self.one_trial = True            # requests without fresh evidence tried one a step (A/B runs)
+        self.one_trial = False           # True: requests without fresh evidence tried one a step (A/B runs)
 
     # ---- what happened ------------------------------------------------------------------------
     def record(self, request_id: str, confidence_logits: list[float], verified: int, accepted: int) -> None:

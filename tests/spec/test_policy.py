@@ -148,11 +148,13 @@ def test_requests_are_forgotten_and_a_plan_reports_what_it_expects():
     assert set(policy.requests) == {"b"}
 
 
-def test_requests_without_fresh_evidence_of_their_own_are_tried_one_at_a_time():
-    """New requests where drafting pays: one step tries the one with the fewest held context
-    rows, the next adds another beside it (the first now has rounds of its own)."""
+def test_with_the_one_trial_rule_requests_without_fresh_evidence_are_tried_one_at_a_time():
+    """The A/B switch (off by default): new requests where drafting pays: one step tries the one
+    with the fewest held context rows, the next adds another beside it (the first now has
+    rounds of its own)."""
     table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 40, draft_ms=[0.0] + [2.0 * r for r in range(1, 9)])
     policy = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
+    policy.one_trial = True
     batch = [Candidate(rid, 2, context_len=n) for rid, n in zip("abcd", (300, 100, 200, 50))]
     step = StepContext(other_tokens=4, num_sampling=4)
     assert policy.plan(batch, step).drafted == [False, False, False, True]
@@ -160,12 +162,11 @@ def test_requests_without_fresh_evidence_of_their_own_are_tried_one_at_a_time():
     assert policy.plan(batch, step).drafted == [False, True, False, True]
 
 
-def test_without_the_one_trial_rule_every_request_without_evidence_is_priced_at_the_population():
-    """The A/B switch: the same new requests all draft in one step (none in a step a prefill
-    joins), priced at the population's acceptance."""
+def test_requests_without_evidence_of_their_own_are_priced_at_the_population_and_tried_together():
+    """By default the same new requests all draft in one step (none in a step a prefill joins),
+    priced at the population's acceptance."""
     table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 40, draft_ms=[0.0] + [2.0 * r for r in range(1, 9)])
     policy = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
-    policy.one_trial = False
     batch = [Candidate(rid, 2, context_len=n) for rid, n in zip("abcd", (300, 100, 200, 50))]
     assert policy.plan(batch, StepContext(other_tokens=4, num_sampling=4)).drafted == [True] * 4
     joined = policy.plan(batch, StepContext(other_tokens=4, num_sampling=4, joining_tokens=8))
@@ -298,6 +299,22 @@ def test_a_drafting_step_is_priced_at_what_it_costs_beyond_plain_steps_not_at_th
     for _ in range(60):
         policy.observe_step(drafted, requests=2, tokens=6, seconds=(11.0 + 6.0 + 0.5) / 1e3)
     assert table.draft_ms == [0.0] + [2.0] * 4
+
+
+def test_what_drafting_costs_under_load_is_learned_for_that_load_alone():
+    """Drafting steps of 16 requests run 5 ms over plain ones, those of a lone request 0: a plan
+    for 16 requests (or 20, the same load) prices drafter passes 5 ms dearer, one for a lone
+    request at the table; a load never seen starts from the nearest lighter one."""
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 64, draft_ms=[0.0] + [2.0] * 16)
+    policy = SpecPolicy(table, None, gamma=2, lag=1)
+    for _ in range(60):
+        for requests, extra in ((1, 0.0), (16, 5.0)):
+            policy.observe_step(StepPlan([False], 0, 2), requests=requests, tokens=requests, seconds=10.0 / 1e3)
+            policy.observe_step(StepPlan([True], 2, 2), requests=requests, tokens=requests + 2,
+                                seconds=(10.0 + 2.0 + extra) / 1e3)
+    for requests, price in ((20, 7.0), (1, 2.0), (3, 2.0), (64, 7.0)):
+        policy.overhead.price_load(requests)
+        assert table.draft_ms[1] == pytest.approx(price, abs=0.1)
 
 
 def test_switched_off_the_learned_overhead_leaves_the_table_and_back_on_restores_it():
