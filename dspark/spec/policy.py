@@ -162,7 +162,7 @@ class SpecPolicy:
         states = [self._state(c.request_id) for c in candidates]
         weight, survival = self._prices(candidates, states)
         held = self._held_rows(candidates, states)                                      # [R]
-        _one_exploration(candidates, weight, held, survival, step.joining_tokens > 0, self.one_trial)
+        _trials(candidates, weight, held, survival, step.joining_tokens > 0, self.one_trial)
         held_ms = self.table.held_row_ms * held                                         # [R]
         rounds_left = np.array([max(1, c.remaining) for c in candidates]) / (1.0 + survival.sum(1))
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
@@ -280,7 +280,8 @@ class DraftOverhead:
             w = max(self.plain_weight, 1.0 / (state[1] + 1))
             state[0] += w * (measured_ms - price - state[0])
             state[1] += 1
-            return self._price(state)
+            self._price(state)
+            return
         if state[1] < self.min_plain_steps:
             return
         draft = self.base[min(drafted, len(self.base) - 1)]
@@ -335,16 +336,17 @@ class _Steady:
         self.expected = plan.predicted_accepted / max(1, len(candidates))
 
 
-def _one_exploration(candidates: list[Candidate], weight: np.ndarray, held: np.ndarray,
-                     survival: np.ndarray, prefill: bool, one: bool = True) -> None:
-    """At most one request without fresh evidence of its own (weight under one half-life's) may
-    draft in a step, and none in a step a prefill joins: the one priced highest, then holding the
-    fewest context rows (trying all at once appends all their rows to learn what one round does)."""
+def _trials(candidates: list[Candidate], weight: np.ndarray, held: np.ndarray, survival: np.ndarray,
+            prefill: bool, one: bool) -> None:
+    """Requests without fresh evidence of their own (weight under one half-life's), priced at the
+    population's acceptance, may try drafting together, but none in a step a prefill joins. With
+    `one`, at most one of them a step: the one priced highest, then holding the fewest context
+    rows (docs/speculation.md, "The speculation policy", on why not by default)."""
     stale = [i for i in range(len(candidates)) if weight[i] < 0.5]
     if not stale or prefill:
         survival[stale] = 0.0
         return
-    if not one:                   # all of them, priced at the population's acceptance
+    if not one:
         return
     price = survival.sum(1)
     tried = min(stale, key=lambda i: (-price[i], held[i]))
