@@ -1,15 +1,16 @@
 """`dspark bench --mode sweep`: output tokens/s by concurrency for plain decoding, DSpark
 verify-all and DSpark as it runs by default (confidence-scheduled, its cost model measured once
-and cached), in one run (interleaved, medians), plus a PNG.
+and cached), and at 2 to 16 requests two fixed plans, in one run (interleaved, medians), plus a
+PNG.
 
 Concurrency c means at most c requests in flight in the offline engine, each with the same
-prompt length and a fixed output length (greedy, ignore_eos): a level runs max(c,
---sweep-requests) requests and admits the next one as soon as one finishes, as a client holding
-c connections does (vLLM's `--max-concurrency`). So concurrency 1 decodes several prompts one
-after another, chat and code alike, rather than a single prompt's luck with the drafter.
-Verify-all and the default run on one engine (switched with `Engine.planning_with`): two
-engines built alike differ by several percent on a CPU, which would otherwise land on their
-ratio.
+prompt length and an output length of --output-tokens, or drawn around it with --output-spread
+(greedy, ignore_eos): a level runs max(c, --sweep-requests) requests and admits the next one as
+soon as one finishes, as a client holding c connections does (vLLM's `--max-concurrency`). So
+concurrency 1 decodes several prompts one after another, chat and code alike, rather than a
+single prompt's luck with the drafter. Verify-all, the fixed plans and the default run on one
+engine (`Engine.planning_with`): two engines built alike differ by several percent on a CPU,
+which would otherwise land on their ratio.
 Prompts are held-out (or built-in) chat and code prompts cut or filled to the prompt length from
 the front, so each still ends where its answer starts and acceptance stays realistic.
 """
@@ -27,8 +28,10 @@ from dspark.outputs import SpecStats
 from dspark.spec.planner import StepPlan
 
 SYSTEMS = ("plain", "verify-all", "default")
-FIXED_DRAFTS = (1, 2)          # fixed plans measured where neither plain decoding nor verify-all is
-FIXED_LEVELS = range(2, 17)    # clearly best: every request drafts, k drafts a request verified
+# Fixed plans (every request drafts, k drafts a request verified) run where neither plain
+# decoding nor verify-all is clearly best.
+FIXED_DRAFTS = (1, 2)
+FIXED_LEVELS = range(2, 17)
 
 
 class FixedPlan:
