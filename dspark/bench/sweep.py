@@ -58,6 +58,7 @@ class FixedPlan:
 
 
 def systems_at(c: int) -> tuple[str, ...]:
+    """The systems a level of c requests runs, in their base order."""
     return SYSTEMS + tuple(f"fixed-{k}" for k in FIXED_DRAFTS if c in FIXED_LEVELS)
 
 
@@ -226,7 +227,7 @@ def _report(args, levels: list[int], rows: list[dict], png: str, engines: dict) 
     measured = [d / max(v for k, v in r["medians"].items() if k != "default") for d, r in zip(default, rows)]
     fixed = {f"fixed-{k}": [r["medians"].get(f"fixed-{k}") for r in rows] for k in FIXED_DRAFTS}
     for i, (c, r) in enumerate(zip(levels, rows)):
-        best_fixed = max((v[i], name) for name, v in fixed.items() if v[i] is not None) if c in FIXED_LEVELS else None
+        best_fixed = max(((v[i], name) for name, v in fixed.items() if v[i] is not None), default=None)
         m = r["medians"]
         print(f"{c} | {m['plain']:.1f} | {m['verify-all']:.1f} | {m['default']:.1f} | {other[i]:.2f}x | "
               f"{r['drafted_share']:.0%} | {r['bound']:.1f} | {m['default'] / r['bound']:.2f}x | "
