@@ -251,8 +251,8 @@ class DraftOverhead:
 
     def __init__(self, table: CostTable):
         self.table, self.base = table, list(table.draft_ms)
-        self.loads: dict[int, list] = {}  # load -> [plain steps' excess (EMA), plain steps, drafting extra (EMA)]
-        self.plain_excess, self.plain_steps, self.extra_ms = 0.0, 0, 0.0     # the load priced now
+        self.loads: dict[int, _LoadCost] = {}    # by requests.bit_length()
+        self.priced = _LoadCost()                # the load the table is priced at now
         self.applied_ms = 0.0        # what the table's drafter passes carry now
         self.enabled = True          # off: the table's own prices, nothing learned (A/B runs)
 
@@ -265,30 +265,42 @@ class DraftOverhead:
         """Price the coming plan at what steps of `requests` requests were seen to cost."""
         load = max(1, requests).bit_length()
         seen = [k for k in self.loads if k <= load]
-        self._price(self.loads[max(seen)] if seen else [0.0, 0, 0.0])
+        self._price(self.loads[max(seen)] if seen else _LoadCost())
 
-    def _price(self, state: list) -> None:
-        self.plain_excess, self.plain_steps, self.extra_ms = state
+    def _price(self, cost: "_LoadCost") -> None:
+        self.priced = cost
         self._apply()
+
+    @property
+    def plain_excess(self) -> float:
+        return self.priced.plain_excess
+
+    @property
+    def plain_steps(self) -> int:
+        return self.priced.plain_steps
+
+    @property
+    def extra_ms(self) -> float:
+        return self.priced.extra_ms
 
     def observe(self, drafted: int, requests: int, tokens: int, measured_ms: float) -> None:
         if not self.enabled:
             return
-        state = self.loads.setdefault(max(1, requests).bit_length(), [0.0, 0, 0.0])
+        cost = self.loads.setdefault(max(1, requests).bit_length(), _LoadCost())
         price = float(self.table.verify_costs(tokens, tokens + 1, requests)[0])
         if drafted == 0:
-            w = max(self.plain_weight, 1.0 / (state[1] + 1))
-            state[0] += w * (measured_ms - price - state[0])
-            state[1] += 1
-            self._price(state)
+            w = max(self.plain_weight, 1.0 / (cost.plain_steps + 1))
+            cost.plain_excess += w * (measured_ms - price - cost.plain_excess)
+            cost.plain_steps += 1
+            self._price(cost)
             return
-        if state[1] < self.min_plain_steps:
+        if cost.plain_steps < self.min_plain_steps:
             return
         draft = self.base[min(drafted, len(self.base) - 1)]
-        excess = measured_ms - price - draft - state[0]
+        excess = measured_ms - price - draft - cost.plain_excess
         excess = min(max(excess, -draft), 3.0 * draft)         # one stalled step moves it little
-        state[2] += self.draft_weight * (excess - state[2])
-        self._price(state)
+        cost.extra_ms += self.draft_weight * (excess - cost.extra_ms)
+        self._price(cost)
 
     @property
     def step_ms(self) -> float:
@@ -302,6 +314,14 @@ class DraftOverhead:
         if abs(extra - self.applied_ms) >= self.resolution_ms:
             self.table.draft_ms = [self.base[0]] + [c + extra for c in self.base[1:]]
             self.applied_ms = extra
+
+
+@dataclass
+class _LoadCost:
+    """What steps of one load cost beyond the table (moving averages, ms)."""
+    plain_excess: float = 0.0    # plain decode steps' time over their price
+    plain_steps: int = 0         # plain decode steps seen
+    extra_ms: float = 0.0        # a drafting step's extra beyond that, net of load
 
 
 @dataclass
