@@ -5,8 +5,8 @@ more than a mechanism moves, so the mechanism is switched on the one engine betw
 
 Mechanisms: `kept-plans` (plans at either end kept without pricing, against pricing every
 step), `draft-overhead` (drafting steps priced at what they cost in the engine, learned
-online, against the table's prices alone) and `one-trial` (requests without fresh evidence of
-their own tried one a step, against all of them priced at the population's acceptance).
+online, against the table's prices alone) and `trial-cap` (at most `MAX_TRIALS` requests without fresh
+evidence of their own try drafting in a step, against all of them at once).
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import statistics
 from dspark.bench.closed_loop import closed_loop
 from dspark.bench.sweep import fixed_length, output_params, prompt_pool
 from dspark.outputs import SpecStats
+from dspark.spec.policy import MAX_TRIALS
 
-MECHANISMS = ("kept-plans", "draft-overhead", "one-trial")
+MECHANISMS = ("kept-plans", "draft-overhead", "trial-cap")
 
 
 def switch(policy, mechanism: str, on: bool, kept: int) -> None:
     if mechanism == "kept-plans":
         policy.keep_plans(kept if on else 0)
-    elif mechanism == "one-trial":
-        policy.one_trial = on
+    elif mechanism == "trial-cap":
+        policy.max_trials = MAX_TRIALS if on else 0
     else:
         policy.overhead.set_enabled(on)
 

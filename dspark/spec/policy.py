@@ -21,6 +21,7 @@ from dspark.spec.sts import STSCalibration, host_survival
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF = 16          # trials at least every 16 evidence half-lives, however many failed
+MAX_TRIALS = 4            # requests without fresh evidence that try drafting in one step
 
 
 @dataclass
@@ -117,7 +118,7 @@ class SpecPolicy:
         self.steps = 0                   # plans made, priced or kept
         self.kept_plans = 0              # plans kept without pricing (stats)
         self._steady = _Steady(longest=max_kept)
-        self.one_trial = False           # True: requests without fresh evidence tried one a step (A/B runs)
+        self.max_trials = MAX_TRIALS     # 0: every request without fresh evidence may try at once (A/B runs)
 
     # ---- what happened ------------------------------------------------------------------------
     def record(self, request_id: str, confidence_logits: list[float], verified: int, accepted: int) -> None:
@@ -162,7 +163,7 @@ class SpecPolicy:
         states = [self._state(c.request_id) for c in candidates]
         weight, survival = self._prices(candidates, states)
         held = self._held_rows(candidates, states)                                      # [R]
-        _trials(candidates, weight, held, survival, step.joining_tokens > 0, self.one_trial)
+        _trials(candidates, weight, held, survival, step.joining_tokens > 0, self.max_trials)
         held_ms = self.table.held_row_ms * held                                         # [R]
         rounds_left = np.array([max(1, c.remaining) for c in candidates]) / (1.0 + survival.sum(1))
         plan = plan_step(survival, self.table, step.num_sampling, step.other_tokens, self.min_gain,
@@ -357,20 +358,21 @@ class _Steady:
 
 
 def _trials(candidates: list[Candidate], weight: np.ndarray, held: np.ndarray, survival: np.ndarray,
-            prefill: bool, one: bool) -> None:
+            prefill: bool, cap: int) -> None:
     """Requests without fresh evidence of their own (weight under one half-life's), priced at the
-    population's acceptance, may try drafting together, but none in a step a prefill joins. With
-    `one`, at most one of them a step: the one priced highest, then holding the fewest context
-    rows (docs/speculation.md, "The speculation policy", on why not by default)."""
+    population's acceptance, may try drafting together, but none in a step a prefill joins, and
+    at most `cap` of them (0: no cap): those priced highest, then holding the fewest context rows.
+    Trying together paid at 4 requests; at 64 one step of all of them trying cost more than the
+    evidence was worth (docs/speculation.md, "The speculation policy")."""
     stale = [i for i in range(len(candidates)) if weight[i] < 0.5]
     if not stale or prefill:
         survival[stale] = 0.0
         return
-    if not one:
+    if cap <= 0 or len(stale) <= cap:
         return
     price = survival.sum(1)
-    tried = min(stale, key=lambda i: (-price[i], held[i]))
-    survival[[i for i in stale if i != tried]] = 0.0
+    tried = set(sorted(stale, key=lambda i: (-price[i], held[i]))[:cap])
+    survival[[i for i in stale if i not in tried]] = 0.0
 
 
 def expected_accepted(survival: np.ndarray, plan: StepPlan) -> float:

@@ -20,7 +20,7 @@ def args_for(tmp_path, ablate):
         ablate=ablate, temperatures="0,0.7", output_spread=0.0, prompt_source=lambda data, tok, n: {"chat": [[3, 4, 5]], "code": [[7, 8, 9, 10]]})
 
 
-@pytest.mark.parametrize("ablate", ["kept-plans", "draft-overhead", "one-trial"])
+@pytest.mark.parametrize("ablate", ["kept-plans", "draft-overhead", "trial-cap"])
 def test_each_mechanism_is_compared_on_and_off_at_every_level(tmp_path, capsys, ablate):
     report = run_policy_bench(args_for(tmp_path, ablate))
     assert report["mechanism"] == ablate

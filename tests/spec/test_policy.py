@@ -8,7 +8,7 @@ import pytest
 
 from dspark.spec.planner import CostTable, StepPlan
 from dspark.spec import policy as policy_module
-from dspark.spec.policy import AcceptanceModel, Candidate, SpecPolicy, StepContext
+from dspark.spec.policy import MAX_TRIALS, AcceptanceModel, Candidate, SpecPolicy, StepContext
 
 # batch 1 on a cheap drafter: drafting pays when the first draft is accepted over ~25% of rounds
 TABLE = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 4 + [11.0] * 8, draft_ms=[0.0] + [2.0] * 4)
@@ -148,18 +148,32 @@ def test_requests_are_forgotten_and_a_plan_reports_what_it_expects():
     assert set(policy.requests) == {"b"}
 
 
-def test_with_the_one_trial_rule_requests_without_fresh_evidence_are_tried_one_at_a_time():
-    """The A/B switch (off by default): new requests where drafting pays: one step tries the one
-    with the fewest held context rows, the next adds another beside it (the first now has
-    rounds of its own)."""
+def test_with_a_cap_of_one_requests_without_fresh_evidence_are_tried_one_at_a_time():
+    """New requests where drafting pays: one step tries the one with the fewest held context
+    rows, the next adds another beside it (the first now has rounds of its own)."""
     table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 40, draft_ms=[0.0] + [2.0 * r for r in range(1, 9)])
     policy = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
-    policy.one_trial = True
+    policy.max_trials = 1
     batch = [Candidate(rid, 2, context_len=n) for rid, n in zip("abcd", (300, 100, 200, 50))]
     step = StepContext(other_tokens=4, num_sampling=4)
     assert policy.plan(batch, step).drafted == [False, False, False, True]
     policy.record("d", [logit(0.99)] * 2, verified=2, accepted=2)
     assert policy.plan(batch, step).drafted == [False, True, False, True]
+
+
+def test_at_most_max_trials_new_requests_try_in_one_step_and_no_cap_lets_all_try():
+    """Past the cap, the requests holding the fewest context rows try (all priced alike)."""
+    table = CostTable(fingerprint={}, verify_ms=[0.0] + [10.0] * 80, draft_ms=[0.0] + [2.0 * r for r in range(1, 13)])
+    held = (300, 100, 200, 50, 400, 150, 250, 20)
+    batch = [Candidate(f"r{i}", 2, context_len=n) for i, n in enumerate(held)]
+    step = StepContext(other_tokens=8, num_sampling=8)
+    capped = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
+    assert capped.max_trials == MAX_TRIALS < len(batch)
+    fewest = sorted(range(len(held)), key=held.__getitem__)[:MAX_TRIALS]
+    assert capped.plan(batch, step).drafted == [i in fewest for i in range(len(held))]
+    uncapped = SpecPolicy(table, None, gamma=2, lag=1, max_kept=0)
+    uncapped.max_trials = 0
+    assert uncapped.plan(batch, step).drafted == [True] * len(held)
 
 
 def test_requests_without_evidence_of_their_own_are_priced_at_the_population_and_tried_together():
