@@ -362,8 +362,9 @@ def _trials(candidates: list[Candidate], weight: np.ndarray, held: np.ndarray, s
     """Requests without fresh evidence of their own (weight under one half-life's), priced at the
     population's acceptance, may try drafting together, but none in a step a prefill joins, and
     at most `cap` of them (0: no cap): those priced highest, then holding the fewest context rows.
-    Trying together paid at 4 requests; at 64 one step of all of them trying cost more than the
-    evidence was worth (docs/speculation.md, "The speculation policy")."""
+    Trying together paid among a few requests of different lengths; under load, a step of every
+    request trying at once cost more than its evidence was worth (docs/speculation.md, "The
+    speculation policy")."""
     stale = [i for i in range(len(candidates)) if weight[i] < 0.5]
     if not stale or prefill:
         survival[stale] = 0.0
