@@ -5,8 +5,8 @@ more than a mechanism moves, so the mechanism is switched on the one engine betw
 
 Mechanisms: `kept-plans` (plans at either end kept without pricing, against pricing every
 step), `draft-overhead` (drafting steps priced at what they cost in the engine, learned
-online, against the table's prices alone) and `trial-cap` (at most `MAX_TRIALS` requests without fresh
-evidence of their own try drafting in a step, against all of them at once).
+online, against the table's prices alone) and `trial-cap` (at most `MAX_TRIALS` requests
+without fresh evidence of their own try drafting in a step, against all of them at once).
 """
 
 from __future__ import annotations
