@@ -273,10 +273,6 @@ class DraftOverhead:
         self._apply()
 
     @property
-    def plain_excess(self) -> float:
-        return self.priced.plain_excess
-
-    @property
     def plain_steps(self) -> int:
         return self.priced.plain_steps
 
@@ -306,12 +302,12 @@ class DraftOverhead:
     @property
     def step_ms(self) -> float:
         """What every decode step costs beyond its table price (recent plain steps' excess)."""
-        if not self.enabled or self.plain_steps < self.min_plain_steps:
+        if not self.enabled or self.priced.plain_steps < self.min_plain_steps:
             return 0.0
-        return max(0.0, self.plain_excess)
+        return max(0.0, self.priced.plain_excess)
 
     def _apply(self) -> None:
-        extra = max(0.0, self.extra_ms) if self.enabled else 0.0
+        extra = max(0.0, self.priced.extra_ms) if self.enabled else 0.0
         if abs(extra - self.applied_ms) >= self.resolution_ms:
             self.table.draft_ms = [self.base[0]] + [c + extra for c in self.base[1:]]
             self.applied_ms = extra
